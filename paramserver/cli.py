@@ -1,0 +1,156 @@
+"""ps-server: run the shards of a parameter server."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+
+from paramserver.cluster import PORT_LINE, READY_LINE, LocalCluster
+from paramserver.config import ServerConfig
+from paramserver.server import ShardServer
+
+log = logging.getLogger("paramserver")
+
+EPILOG = """\
+examples:
+  ps-server --shards 2 --mode sync --workers 2          two shard processes on 127.0.0.1:50051 and :50052
+  ps-server --shards 2 --host 0.0.0.0                   reachable from other hosts (advertised by hostname)
+  ps-server --shard-index 1 --peers a:50051,b:50051     exactly one shard (what a Kubernetes pod runs)
+
+Workers connect with: ps-worker --server HOST:PORT (any one shard's address is enough).
+"""
+
+
+def _parse_bool(text: str) -> bool:
+    return text.lower() in ("1", "true", "yes", "on")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the ps-server argument parser; the job flags come from ServerConfig's fields."""
+    parser = argparse.ArgumentParser(
+        prog="ps-server", description="Run the shards of a paramserver parameter server.", epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = parser.add_argument_group("where the shards run")
+    where.add_argument("--shards", type=int, default=1, help="number of shard processes to start on this host "
+                       "(default: %(default)s)")
+    where.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 for every interface "
+                       "(default: %(default)s)")
+    where.add_argument("--port", type=int, default=None, help="port of the first shard; the others follow "
+                       "consecutively (default: 50051, or the port of this shard in --peers)")
+    where.add_argument("--advertise-host", default=None, help="host name workers should use to reach these "
+                       "shards (default: --host, or this machine's hostname when binding 0.0.0.0)")
+    where.add_argument("--shard-index", type=int, default=None, help="run exactly one shard, this one of --peers")
+    where.add_argument("--peers", default=None, help="comma-separated address of every shard, in shard order "
+                       "(with --shard-index)")
+    where.add_argument("--peers-from-stdin", action="store_true", help=argparse.SUPPRESS)
+    where.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                       help="log verbosity (default: %(default)s)")
+
+    job = parser.add_argument_group("the job (give every shard the same)")
+    for f in dataclasses.fields(ServerConfig):
+        kind = f.type if not isinstance(f.type, str) else {"int": int, "float": float, "str": str,
+                                                            "bool": _parse_bool}[f.type]
+        job.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=f.default,
+                         choices=f.metadata.get("choices"),
+                         help=f"{f.metadata['help']} (default: %(default)s)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Fill the ServerConfig from parsed flags."""
+    return ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
+
+
+def _advertised(host: str, advertise_host: str | None) -> str:
+    if advertise_host:
+        return advertise_host
+    return socket.gethostname() if host in ("0.0.0.0", "::", "[::]", "") else host
+
+
+def _wait_for_signal() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+def run_one_shard(args: argparse.Namespace, config: ServerConfig) -> int:
+    """Serve exactly one shard until SIGINT/SIGTERM."""
+    index = args.shard_index
+    if args.peers_from_stdin:
+        port = args.port or 0
+    else:
+        if not args.peers:
+            raise SystemExit("ps-server: --shard-index needs --peers (every shard's address, in order)")
+        peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+        if not 0 <= index < len(peers):
+            raise SystemExit(f"ps-server: --shard-index {index} is outside the {len(peers)} --peers")
+        port = args.port if args.port is not None else int(peers[index].rsplit(":", 1)[1])
+    stop = _wait_for_signal()
+    server = ShardServer.create(config, index, args.host, port)
+    if args.peers_from_stdin:
+        print(f"{PORT_LINE} {server.port}", flush=True)
+        peers = sys.stdin.readline().strip().split(",")
+    server.start(peers)
+    print(f"{READY_LINE} {server.port}", flush=True)
+    stop.wait()
+    server.stop(grace=2.0)
+    return 0
+
+
+def run_local_shards(args: argparse.Namespace, config: ServerConfig) -> int:
+    """Start --shards shard processes, print their addresses, and stop them all on SIGINT/SIGTERM."""
+    stop = _wait_for_signal()
+    port = 50051 if args.port is None else args.port
+    cluster = LocalCluster(config, args.shards, processes=True, host=args.host, port=port,
+                           advertise_host=_advertised(args.host, args.advertise_host), log_level=args.log_level)
+    try:
+        cluster.start()
+    except (RuntimeError, TimeoutError) as exc:
+        log.error("%s", exc)
+        return 1
+    for i, address in enumerate(cluster.addresses):
+        print(f"shard {i}: {address}", flush=True)
+    print(f"workers: ps-worker --server {cluster.address}", flush=True)
+    status = 0
+    while not stop.wait(0.5):
+        codes = cluster.poll()
+        failed = [(i, c) for i, c in enumerate(codes) if c is not None]
+        if failed:
+            for i, code in failed:
+                log.error("shard %d exited with status %d; stopping the others", i, code)
+            status = 1
+            break
+    cluster.stop()
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ps-server."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"ps-server: {exc}") from None
+    if args.shard_index is not None:
+        return run_one_shard(args, config)
+    if args.shards < 1:
+        raise SystemExit("ps-server: --shards must be at least 1")
+    return run_local_shards(args, config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""LocalCluster: N shards on this host, as threads of this process or as subprocesses (tests, demo, ps-server)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import TracebackType
+
+from paramserver.config import ServerConfig
+from paramserver.server import ShardServer
+
+log = logging.getLogger(__name__)
+
+# What a shard subprocess prints on stdout, so the parent learns its port and when it serves.
+PORT_LINE = "PARAMSERVER-PORT"
+READY_LINE = "PARAMSERVER-READY"
+
+
+def config_to_args(config: ServerConfig) -> list[str]:
+    """Render a ServerConfig as ps-server flags (the inverse of the CLI's parsing)."""
+    args = []
+    for name, value in vars(config).items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    return args
+
+
+class LocalCluster:
+    """Start `shards` shards on `host`, ports from `port` (0: the OS picks each); stop them on exit.
+
+    Threads (the default) are cheap and let tests look inside the shards (`cluster.shards`); processes are
+    what production runs and what fault tests kill (`cluster.kill(i)`).
+    """
+
+    def __init__(self, config: ServerConfig | None = None, shards: int = 1, *, processes: bool = False,
+                 host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                 start_timeout: float = 60.0, log_level: str = "WARNING") -> None:
+        if shards < 1:
+            raise ValueError(f"shards must be at least 1, not {shards}")
+        self.config = config or ServerConfig()
+        self.num_shards = shards
+        self.processes = processes
+        self.host = host
+        self.base_port = port
+        self.advertise_host = advertise_host or host
+        self.start_timeout = start_timeout
+        self.log_level = log_level
+        self.addresses: list[str] = []
+        self.servers: list[ShardServer] = []
+        self.procs: list[subprocess.Popen[str]] = []
+        self._started = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def start(self) -> LocalCluster:
+        """Bind and start every shard; return once all serve."""
+        if self._started:
+            return self
+        self._started = True
+        try:
+            if self.processes:
+                self._start_processes()
+            else:
+                self._start_threads()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _port(self, i: int) -> int:
+        return self.base_port + i if self.base_port else 0
+
+    def _start_threads(self) -> None:
+        for i in range(self.num_shards):
+            self.servers.append(ShardServer.create(self.config, i, self.host, self._port(i)))
+        self.addresses = [f"{self.advertise_host}:{s.port}" for s in self.servers]
+        for server in self.servers:
+            server.start(self.addresses)
+
+    def _start_processes(self) -> None:
+        for i in range(self.num_shards):
+            cmd = [sys.executable, "-m", "paramserver.cli", "--shard-index", str(i), "--peers-from-stdin",
+                   "--host", self.host, "--port", str(self._port(i)), "--log-level", self.log_level,
+                   *config_to_args(self.config)]
+            # A new session: a Ctrl-C in the terminal reaches only the parent, which stops shards in order.
+            self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                               bufsize=1, start_new_session=True))
+        deadline = time.monotonic() + self.start_timeout
+        ports = [int(self._expect(p, PORT_LINE, deadline)) for p in self.procs]
+        self.addresses = [f"{self.advertise_host}:{port}" for port in ports]
+        for proc in self.procs:
+            assert proc.stdin is not None
+            proc.stdin.write(",".join(self.addresses) + "\n")
+            proc.stdin.close()
+        for proc in self.procs:
+            self._expect(proc, READY_LINE, deadline)
+        for i, proc in enumerate(self.procs):
+            # Keep draining stdout so a chatty shard can never block on a full pipe.
+            threading.Thread(target=_drain, args=(proc,), name=f"shard{i}-stdout", daemon=True).start()
+
+    @staticmethod
+    def _expect(proc: subprocess.Popen[str], tag: str, deadline: float) -> str:
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"shard process {proc.pid} exited with status {proc.wait()} before serving "
+                                   f"(see its log above)")
+            if line.startswith(tag):
+                return line.split()[1]
+        raise TimeoutError(f"shard process {proc.pid} did not report {tag} within the start timeout")
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop every shard (threads: graceful; processes: SIGTERM, then SIGKILL after 10 s). Idempotent."""
+        for server in self.servers:
+            server.stop(grace)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    # -- access ------------------------------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """Shard 0's address: enough for a worker to find all shards."""
+        if not self.addresses:
+            raise RuntimeError("the cluster is not started")
+        return self.addresses[0]
+
+    @property
+    def shards(self) -> list:  # list[Shard]; untyped to keep this module free of shard imports at type level
+        """The Shard objects (thread mode only)."""
+        if self.processes:
+            raise RuntimeError("shards run in other processes; use threads (processes=False) to look inside")
+        return [s.shard for s in self.servers]
+
+    def poll(self) -> list[int | None]:
+        """Exit status of each shard process (None while it runs); all None in thread mode."""
+        return [p.poll() for p in self.procs] if self.procs else [None] * self.num_shards
+
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Send a signal to one shard process (fault tests)."""
+        if not self.processes:
+            raise RuntimeError("only shard processes can be killed")
+        os.kill(self.procs[index].pid, sig)
+
+
+def _drain(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.write(line)

@@ -1,0 +1,149 @@
+"""Typed errors of the parameter server and the one table that maps them to gRPC status codes.
+
+Server code raises these; the servicer turns them into statuses in one place (`rpc_errors`), and the client turns
+statuses back into these types (`from_rpc_error`), so both sides speak of the same failures by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class PSError(Exception):
+    """Base of every error the parameter server reports."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(PSError):
+    """A request is malformed: wrong shape, size or dtype, unknown piece, bad chunk, NaN or Inf."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ShapeMismatch(InvalidArgument):
+    """A tensor's shape or size differs from what the shard holds."""
+
+
+class UnknownTensor(InvalidArgument):
+    """A name or piece that the model does not have."""
+
+
+class MalformedStream(InvalidArgument):
+    """Chunks that overlap, leave a gap, run out of range or are cut short."""
+
+
+class NonFiniteGradient(InvalidArgument):
+    """A gradient holding NaN or Inf."""
+
+
+class ModelMismatch(PSError):
+    """A different model (digest) than the one the shard holds."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotInitialized(PSError):
+    """A push or pull before any worker registered the model."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class WrongJob(PSError):
+    """A worker that names another job."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class AlreadyInitialized(PSError):
+    """Init of the very model the shard already holds: the worker should pull instead."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class StaleRound(PSError):
+    """A push for a round that has already closed: the worker should pull again."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class UnknownWorker(PSError):
+    """A worker the shard does not know (never joined, left or was evicted): it should join again."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class PullTimeout(PSError):
+    """A pull that waited past its deadline for the version it asked for."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class TooLarge(PSError):
+    """A message or model over the configured limits, or a job already full."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class ShuttingDown(PSError):
+    """The shard is stopping; retry against it once it is back."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Unauthenticated(PSError):
+    """Missing or wrong credentials."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+# Client side: the most general type for each status, so callers can `except StaleRound`.
+_BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.FAILED_PRECONDITION: ModelMismatch,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyInitialized,
+    grpc.StatusCode.ABORTED: StaleRound,
+    grpc.StatusCode.DEADLINE_EXCEEDED: PullTimeout,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: TooLarge,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+}
+
+
+class RemoteError(PSError):
+    """A status from a shard that has no more specific type (UNAVAILABLE, INTERNAL, ...)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def from_rpc_error(err: grpc.RpcError, shard: str = "") -> PSError:
+    """Turn a gRPC error from a shard into the matching PSError, keeping the server's message."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    detail = err.details() if hasattr(err, "details") else str(err)
+    where = f"shard {shard}: " if shard else ""
+    kind = _BY_CODE.get(code)
+    if kind is None:
+        return RemoteError(f"{where}{code.name}: {detail}", code)
+    out = kind(f"{where}{detail}")
+    out.code = code
+    return out
+
+
+@contextlib.contextmanager
+def rpc_errors(context: grpc.ServicerContext, rpc: str) -> Iterator[None]:
+    """Map PSError to its status and anything unexpected to INTERNAL (logged), for one RPC."""
+    try:
+        yield
+    except PSError as exc:
+        log.info("%s rejected: %s: %s", rpc, exc.code.name, exc)
+        context.abort(exc.code, str(exc))
+    except Exception as exc:  # noqa: BLE001 - the boundary: never leak a traceback to the client
+        log.exception("%s failed", rpc)
+        context.abort(grpc.StatusCode.INTERNAL, f"{rpc} failed on the server: {type(exc).__name__}: {exc}")

@@ -1,0 +1,78 @@
+"""Serve one shard: a gRPC server with the ParameterServer and standard health services."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from paramserver.config import ServerConfig
+from paramserver.service import ParameterServerServicer
+from paramserver.shard import Shard
+from paramserver.v1 import ps_pb2, ps_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+
+
+def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """Channel/server options both sides use: message limits sized for ~1 MiB chunks."""
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+    ]
+
+
+class ShardServer:
+    """A started gRPC server for one shard. Bind with `create`, give it the peer list, then `start`."""
+
+    def __init__(self, shard: Shard, server: grpc.Server, port: int, health_servicer: health.HealthServicer) -> None:
+        self.shard = shard
+        self.port = port
+        self._server = server
+        self._health = health_servicer
+        self._stopped = threading.Event()
+
+    @classmethod
+    def create(cls, config: ServerConfig, index: int = 0, host: str = "127.0.0.1", port: int = 0) -> ShardServer:
+        """Bind a shard's server to host:port (0: the OS picks) without starting it."""
+        shard = Shard(config, index)
+        # Each sync-mode pull may wait for its round in a thread of its own, so leave room per worker.
+        pool = futures.ThreadPoolExecutor(max_workers=max(16, 4 * config.workers + 8),
+                                          thread_name_prefix=f"shard{index}")
+        # so_reuseport off: a second server on the same port must fail, not silently share it.
+        server = grpc.server(pool, options=[*grpc_options(config), ("grpc.so_reuseport", 0)])
+        ps_pb2_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(shard), server)
+        health_servicer = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"could not bind shard {index} to {host}:{port} (port in use?)")
+        return cls(shard, server, bound, health_servicer)
+
+    def start(self, addresses: Sequence[str]) -> None:
+        """Start serving, knowing every shard's address (this one's included)."""
+        self.shard.addresses = tuple(addresses)
+        self._server.start()
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("shard %d of %d serving on port %d", self.shard.index, len(addresses), self.port)
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stop taking RPCs, let the ones in flight finish for up to `grace` seconds, and return once stopped."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._health.enter_graceful_shutdown()
+        self.shard.close()
+        self._server.stop(grace).wait()
+        log.info("shard %d stopped", self.shard.index)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server stops; return whether it did."""
+        return self._server.wait_for_termination(timeout)

@@ -1,0 +1,206 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+
+class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODE_UNSPECIFIED: _ClassVar[Mode]
+    SYNC: _ClassVar[Mode]
+    ASYNC: _ClassVar[Mode]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+BFLOAT16: DType
+FLOAT16: DType
+MODE_UNSPECIFIED: Mode
+SYNC: Mode
+ASYNC: Mode
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Piece(_message.Message):
+    __slots__ = ("name", "start", "length")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    start: int
+    length: int
+    def __init__(self, name: _Optional[str] = ..., start: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("piece", "offset", "data")
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    piece: int
+    offset: int
+    data: bytes
+    def __init__(self, piece: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class JobInfo(_message.Message):
+    __slots__ = ("mode", "workers", "optimizer", "lr", "job_name")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    JOB_NAME_FIELD_NUMBER: _ClassVar[int]
+    mode: Mode
+    workers: int
+    optimizer: str
+    lr: float
+    job_name: str
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., job_name: _Optional[str] = ...) -> None: ...
+
+class GetTopologyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Topology(_message.Message):
+    __slots__ = ("shards", "shard_index", "job", "initialized", "model_digest", "specs", "version", "slice_elements")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SPECS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SLICE_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    shard_index: int
+    job: JobInfo
+    initialized: bool
+    model_digest: str
+    specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    version: int
+    slice_elements: int
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., shard_index: _Optional[int] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., initialized: _Optional[bool] = ..., model_digest: _Optional[str] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[int] = ..., slice_elements: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("worker_id", "job_name")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_NAME_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    job_name: str
+    def __init__(self, worker_id: _Optional[str] = ..., job_name: _Optional[str] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("rank", "world_size", "version")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    version: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InitHeader(_message.Message):
+    __slots__ = ("worker_id", "specs", "num_shards", "model_digest", "dtype")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SPECS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    num_shards: int
+    model_digest: str
+    dtype: DType
+    def __init__(self, worker_id: _Optional[str] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_shards: _Optional[int] = ..., model_digest: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class InitMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: InitHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[InitHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class InitResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("worker_id", "min_version", "dtype")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    min_version: int
+    dtype: DType
+    def __init__(self, worker_id: _Optional[str] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class PullHeader(_message.Message):
+    __slots__ = ("version", "model_digest")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    model_digest: str
+    def __init__(self, version: _Optional[int] = ..., model_digest: _Optional[str] = ...) -> None: ...
+
+class PullMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PullHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("worker_id", "step", "base_version", "model_digest", "dtype")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    step: int
+    base_version: int
+    model_digest: str
+    dtype: DType
+    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., model_digest: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class PushMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("version", "applied")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    applied: bool
+    def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ...) -> None: ...

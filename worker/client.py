@@ -1,0 +1,327 @@
+"""PSClient: a worker's view of the parameter server: topology, join, register, pull and push to every shard.
+
+Each call fans out to all shards at once (one stream per shard per call). Weights are written straight into the
+model's own CPU tensors, and gradients are read straight from them; CUDA tensors go through a host mirror.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TypeVar
+
+import grpc
+import numpy as np
+import torch
+
+from paramserver.errors import AlreadyInitialized, ModelMismatch, PSError, from_rpc_error
+from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
+from paramserver.v1 import ps_pb2, ps_pb2_grpc
+from paramserver.wire import CHUNK_BYTES, ChunkReceiver, iter_chunks, wire_dtype
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Tensors = torch.nn.Module | Mapping[str, torch.Tensor]
+
+# Unary calls retry UNAVAILABLE (a shard restarting) with backoff, declared once for the channel. Streams are
+# not retried by gRPC beyond its small buffer; a push is safe to resend because the server dedupes (worker, step).
+_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": "paramserver.v1.ParameterServer"}],
+        "retryPolicy": {
+            "maxAttempts": 5,
+            "initialBackoff": "0.1s",
+            "maxBackoff": "2s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }]
+})
+
+_MODES = {ps_pb2.SYNC: "sync", ps_pb2.ASYNC: "async"}
+
+
+def channel_options(max_message_bytes: int = 4 * 1024 * 1024 + 4096) -> list[tuple[str, object]]:
+    """Options of every channel the client opens."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", _SERVICE_CONFIG),
+    ]
+
+
+@dataclass
+class _Binding:
+    """How one model's tensors map onto the shards' pieces (computed once per model object)."""
+
+    names: list[str]
+    tensors: list[torch.Tensor]
+    placement: Placement
+    host: list[torch.Tensor | None]  # a CPU float32 mirror for tensors that are not CPU-contiguous
+
+    def flat(self, i: int, tensor: torch.Tensor | None = None) -> np.ndarray:
+        """A float32 numpy view of tensor i (or of `tensor`, shaped like it), via the mirror if needed."""
+        t = self.tensors[i] if tensor is None else tensor
+        mirror = self.host[i]
+        if mirror is None:
+            return t.detach().view(-1).numpy()
+        return mirror.numpy()
+
+    def views(self, shard: int, flats: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """One view per piece of `shard`, into the flat arrays of the tensors."""
+        index = {n: i for i, n in enumerate(self.names)}
+        return [flats[index[p.name]][p.start : p.start + p.length] for p in self.placement.shards[shard]]
+
+    def labels(self, shard: int) -> list[str]:
+        return [f"{p.name}[{p.start}:{p.start + p.length}]" for p in self.placement.shards[shard]]
+
+
+def _tensors_of(obj: Tensors) -> tuple[list[str], list[torch.Tensor]]:
+    if isinstance(obj, torch.nn.Module):
+        items = list(obj.named_parameters())
+    elif isinstance(obj, Mapping):
+        items = list(obj.items())
+    else:
+        raise TypeError(f"expected an nn.Module or a mapping of name -> tensor, not {type(obj).__name__}")
+    if not items:
+        raise ValueError("the model has no parameters")
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} is a {type(t).__name__}, not a tensor")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} is {t.dtype}; the parameter server holds float32 tensors")
+    return [n for n, _ in items], [t for _, t in items]
+
+
+class PSClient:
+    """Talk to every shard of a parameter server, knowing any one shard's address.
+
+    `with PSClient("host:50051") as client:` joins the job (a rank for data sharding) and leaves on exit.
+    `register(model)` initialises the servers from the model or adopts what they hold; `pull(model)` copies the
+    current weights into it in place; `push(model)` sends every parameter's `.grad`. Also works on a plain
+    mapping of name -> float32 tensor (push then sends the tensors themselves as the gradient).
+    """
+
+    def __init__(self, address: str, *, worker_id: str | None = None, job_name: str = "", join: bool = True,
+                 dtype: str = "float32", timeout: float = 120.0, connect_timeout: float = 30.0,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.worker_id = worker_id or uuid.uuid4().hex
+        self.job_name = job_name
+        self.dtype = wire_dtype(dtype)
+        self.timeout = timeout
+        self.chunk_bytes = chunk_bytes
+        self.rank = 0
+        self.world_size = 1
+        self._step = 0
+        self._bindings: dict[int, _Binding] = {}
+        self._channels: list[grpc.Channel] = []
+        self._joined = False
+
+        entry = grpc.insecure_channel(address, options=channel_options())
+        try:
+            topo = self._call(address, lambda: ps_pb2_grpc.ParameterServerStub(entry).GetTopology(
+                ps_pb2.GetTopologyRequest(), timeout=connect_timeout, wait_for_ready=True))
+        finally:
+            entry.close()
+        self.topology = topo
+        self.addresses: list[str] = list(topo.shards)
+        self.mode = _MODES.get(topo.job.mode, "unknown")
+        self._channels = [grpc.insecure_channel(a, options=channel_options()) for a in self.addresses]
+        self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        self._pool = futures.ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps-client")
+        self.versions = [0] * len(self.addresses)  # what each shard's last pull returned
+        self._min_next = [0] * len(self.addresses)  # the version a pull must wait for after a push
+        if join:
+            self.join()
+
+    # -- membership --------------------------------------------------------------------------------------------
+
+    def join(self) -> None:
+        """Join the job on every shard (shard 0 first: its rank is the one that counts)."""
+        req = ps_pb2.JoinRequest(worker_id=self.worker_id, job_name=self.job_name)
+        first = self._call(self.addresses[0], lambda: self._stubs[0].Join(req, timeout=self.timeout))
+        self.rank, self.world_size = first.rank, first.world_size
+        self._each(lambda k: self._stubs[k].Join(req, timeout=self.timeout), range(1, len(self._stubs)))
+        self._joined = True
+
+    def leave(self) -> None:
+        """Leave the job on every shard; a sync round stops waiting for this worker."""
+        if not self._joined:
+            return
+        self._joined = False
+        req = ps_pb2.LeaveRequest(worker_id=self.worker_id)
+        self._each(lambda k: self._stubs[k].Leave(req, timeout=10.0))
+
+    # -- the model ---------------------------------------------------------------------------------------------
+
+    def _bind(self, obj: Tensors) -> _Binding:
+        names, tensors = _tensors_of(obj)
+        key = id(obj)
+        b = self._bindings.get(key)
+        if b is not None and b.names == names and all(x is y for x, y in zip(b.tensors, tensors, strict=True)):
+            return b
+        specs = [TensorSpec(n, tuple(t.shape)) for n, t in zip(names, tensors, strict=True)]
+        placement = place(specs, len(self.addresses), int(self.topology.slice_elements) or SLICE_ELEMENTS)
+        host = [None if (t.device.type == "cpu" and t.is_contiguous()) else torch.empty(
+            t.numel(), dtype=torch.float32, pin_memory=t.device.type == "cuda") for t in tensors]
+        b = _Binding(names, tensors, placement, host)
+        self._bindings[key] = b
+        return b
+
+    def digest(self, obj: Tensors) -> str:
+        """The digest naming this model on these shards."""
+        return self._bind(obj).placement.digest
+
+    def register(self, obj: Tensors) -> int:
+        """Initialise every shard from `obj`, or adopt the weights the shards already hold; return the version."""
+        b = self._bind(obj)
+        digest = b.placement.digest
+        specs = [ps_pb2.TensorSpec(name=s.name, shape=s.shape) for s in b.placement.specs]
+        flats = [b.flat(i) for i in range(len(b.tensors))]
+        for i, t in enumerate(b.tensors):
+            if b.host[i] is not None:
+                b.host[i].copy_(t.detach().reshape(-1))  # type: ignore[union-attr]
+
+        def init(k: int) -> None:
+            topo = self._stubs[k].GetTopology(ps_pb2.GetTopologyRequest(), timeout=self.timeout)
+            if topo.initialized:
+                if topo.model_digest != digest:
+                    raise ModelMismatch(f"shard {self.addresses[k]} holds another model (digest "
+                                        f"{topo.model_digest[:12]}, yours {digest[:12]}): different tensor names "
+                                        f"or shapes; restart the servers to train a new model")
+                return
+            header = ps_pb2.InitHeader(worker_id=self.worker_id, specs=specs, num_shards=len(self.addresses),
+                                       model_digest=digest, dtype=ps_pb2.FLOAT32)
+
+            def messages():  # type: ignore[no-untyped-def]
+                yield ps_pb2.InitMessage(header=header)
+                for piece, offset, data in iter_chunks(b.views(k, flats), ps_pb2.FLOAT32, self.chunk_bytes):
+                    yield ps_pb2.InitMessage(chunk=ps_pb2.Chunk(piece=piece, offset=offset, data=data))
+
+            try:
+                self._call(self.addresses[k], lambda: self._stubs[k].Init(messages(), timeout=self.timeout))
+            except AlreadyInitialized:
+                pass  # another worker won the race with the same model: adopt it
+
+        self._each(init)
+        return self.pull(obj)
+
+    def pull(self, obj: Tensors) -> int:
+        """Copy the shards' current weights into `obj` in place; return the lowest shard version.
+
+        After a push, waits for the version that includes it (in sync mode: the end of that round).
+        """
+        b = self._bind(obj)
+        flats = [b.flat(i) for i in range(len(b.tensors))]
+        dtype = self.dtype
+
+        def pull_one(k: int) -> int:
+            req = ps_pb2.PullRequest(worker_id=self.worker_id if self._joined else "",
+                                     min_version=self._min_next[k], dtype=dtype)
+            stream = self._stubs[k].Pull(req, timeout=self.timeout)
+            first = next(stream)
+            if first.WhichOneof("kind") != "header" or first.header.model_digest != b.placement.digest:
+                raise ModelMismatch(f"shard {self.addresses[k]} holds another model than the one being pulled "
+                                    f"into ({first.header.model_digest[:12]} vs {b.placement.digest[:12]})")
+            receiver = ChunkReceiver(b.views(k, flats), b.labels(k), dtype)
+            for msg in stream:
+                receiver.add(msg.chunk.piece, msg.chunk.offset, msg.chunk.data)
+            receiver.finish()
+            self.versions[k] = first.header.version
+            return int(first.header.version)
+
+        versions = self._each(pull_one)
+        with torch.no_grad():
+            for i, t in enumerate(b.tensors):
+                mirror = b.host[i]
+                if mirror is not None:
+                    t.copy_(mirror.view(t.shape).to(t.device, non_blocking=True))
+        return min(versions)
+
+    def push(self, obj: Tensors, step: int | None = None) -> int:
+        """Send the gradient (each parameter's .grad; a mapping's tensors themselves) to every shard.
+
+        Returns the lowest shard version after the push. `step` identifies the push for exactly-once delivery
+        (default: this client's own counter).
+        """
+        b = self._bind(obj)
+        if step is None:
+            self._step += 1
+            step = self._step
+        grads: list[np.ndarray] = []
+        for i, t in enumerate(b.tensors):
+            g = t.grad if isinstance(obj, torch.nn.Module) else t
+            if g is None:
+                g = torch.zeros_like(t)
+            mirror = b.host[i]
+            if mirror is not None or not g.is_contiguous() or g.device.type != "cpu":
+                if mirror is None:
+                    mirror = b.host[i] = torch.empty(t.numel(), dtype=torch.float32)
+                mirror.copy_(g.detach().reshape(-1))
+                grads.append(mirror.numpy())
+            else:
+                grads.append(g.detach().view(-1).numpy())
+        dtype = self.dtype
+
+        def push_one(k: int) -> int:
+            base = self.versions[k]
+            header = ps_pb2.PushHeader(worker_id=self.worker_id, step=step, base_version=base,
+                                       model_digest=b.placement.digest, dtype=dtype)
+
+            def messages():  # type: ignore[no-untyped-def]
+                yield ps_pb2.PushMessage(header=header)
+                for piece, offset, data in iter_chunks(b.views(k, grads), dtype, self.chunk_bytes):
+                    yield ps_pb2.PushMessage(chunk=ps_pb2.Chunk(piece=piece, offset=offset, data=data))
+
+            reply = self._stubs[k].Push(messages(), timeout=self.timeout)
+            self._min_next[k] = base + 1
+            return int(reply.version)
+
+        return min(self._each(push_one))
+
+    # -- plumbing ----------------------------------------------------------------------------------------------
+
+    def _call(self, address: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, address) from None
+
+    def _each(self, fn: Callable[[int], T], shards: Sequence[int] | range | None = None) -> list[T]:
+        """Run fn(k) for every shard k concurrently; raise the first failure as a PSError."""
+        ks = list(range(len(self._stubs)) if shards is None else shards)
+        futs = [self._pool.submit(self._call, self.addresses[k], lambda k=k: fn(k)) for k in ks]
+        results, error = [], None
+        for f in futs:
+            try:
+                results.append(f.result())
+            except PSError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
+
+    def close(self) -> None:
+        """Leave the job and close every channel."""
+        try:
+            self.leave()
+        except PSError as exc:
+            log.warning("leaving the job failed: %s", exc)
+        finally:
+            self._pool.shutdown(wait=True)
+            for c in self._channels:
+                c.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,119 @@
+"""Build the model a worker trains: a built-in by name, or any user factory given as `module:factory`."""
+
+# Depends on torch only; the server never imports this module, it sees just the parameters' names and shapes.
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+
+from torch import nn
+
+BUILTIN_MODELS: tuple[str, ...] = ("logreg", "mlp", "cnn")
+
+_ACCEPTED = f"one of {', '.join(BUILTIN_MODELS)}, or 'package.module:factory'"
+
+
+def build_model(name: str, *, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Build model `name` for samples shaped `in_shape`; weights come from torch's global RNG."""
+    in_shape = tuple(int(d) for d in in_shape)
+    if not in_shape or any(d < 1 for d in in_shape):
+        raise ValueError(f"in_shape must be a non-empty tuple of positive sizes, got {in_shape}")
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be at least 1, got {num_classes}")
+    if name == "logreg":
+        return _logreg(in_shape, num_classes)
+    if name == "mlp":
+        return _mlp(in_shape, num_classes)
+    if name == "cnn":
+        return _cnn(in_shape, num_classes)
+    if ":" in name:
+        return _from_factory(name, in_shape, num_classes)
+    raise ValueError(f"unknown model {name!r}: expected {_ACCEPTED}")
+
+
+# Layers are named (not numbered) because the state_dict names are the parameter server's keys.
+
+
+def _logreg(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return nn.Sequential(
+        OrderedDict(flatten=nn.Flatten(), linear=nn.Linear(math.prod(in_shape), num_classes))
+    )
+
+
+def _mlp(in_shape: tuple[int, ...], num_classes: int, hidden: int = 256) -> nn.Module:
+    return nn.Sequential(
+        OrderedDict(
+            flatten=nn.Flatten(),
+            fc1=nn.Linear(math.prod(in_shape), hidden),
+            relu1=nn.ReLU(),
+            fc2=nn.Linear(hidden, hidden),
+            relu2=nn.ReLU(),
+            fc3=nn.Linear(hidden, num_classes),
+        )
+    )
+
+
+def _cnn(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    if len(in_shape) != 3:
+        raise ValueError(
+            f"the cnn needs image-shaped data (C, H, W), but the dataset's samples have shape {in_shape}; "
+            "use the mlp for flat features"
+        )
+    channels, height, width = in_shape
+    if height < 2 or width < 2:
+        raise ValueError(f"the cnn max-pools by 2, so H and W must be at least 2; got shape {in_shape}")
+    # No BatchNorm or dropout: the server holds only parameters, so the model must have no buffers.
+    return nn.Sequential(
+        OrderedDict(
+            conv1=nn.Conv2d(channels, 32, 3, padding=1),
+            relu1=nn.ReLU(),
+            conv2=nn.Conv2d(32, 64, 3, padding=1),
+            relu2=nn.ReLU(),
+            pool=nn.MaxPool2d(2),
+            flatten=nn.Flatten(),
+            fc1=nn.Linear(64 * (height // 2) * (width // 2), 128),
+            relu3=nn.ReLU(),
+            fc2=nn.Linear(128, num_classes),
+        )
+    )
+
+
+def _from_factory(spec: str, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"bad model spec {spec!r}: expected {_ACCEPTED}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"cannot import module {module_name!r} for model {spec!r} ({exc}); expected {_ACCEPTED}"
+        ) from exc
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r}; expected {_ACCEPTED}")
+    # A ready-made instance would be shared by reference and not rebuilt from the worker's seed.
+    if isinstance(factory, nn.Module) or not callable(factory):
+        raise TypeError(f"{spec} must be a callable that returns an nn.Module, got {type(factory).__name__}")
+    model = factory(in_shape=in_shape, num_classes=num_classes) if _takes_shape_kwargs(factory) else factory()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model factory {spec} returned {type(model).__name__}, expected a torch.nn.Module")
+    return model
+
+
+def _takes_shape_kwargs(factory: Callable[..., object]) -> bool:
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C extensions have no signature
+        return False
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return True
+    keywordable = {
+        p.name
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return {"in_shape", "num_classes"} <= keywordable
