@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import signal
 import socket
@@ -12,7 +11,7 @@ import threading
 from collections.abc import Sequence
 
 from paramserver.cluster import PORT_LINE, READY_LINE, LocalCluster
-from paramserver.config import ServerConfig
+from paramserver.config import ServerConfig, add_arguments, from_arguments
 from paramserver.server import ShardServer
 
 log = logging.getLogger("paramserver")
@@ -27,44 +26,55 @@ Workers connect with: ps-worker --server HOST:PORT (any one shard's address is e
 """
 
 
-def _parse_bool(text: str) -> bool:
-    return text.lower() in ("1", "true", "yes", "on")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """Return the ps-server argument parser; the job flags come from ServerConfig's fields."""
     parser = argparse.ArgumentParser(
-        prog="ps-server", description="Run the shards of a paramserver parameter server.", epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="ps-server",
+        description="Run the shards of a paramserver parameter server.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     where = parser.add_argument_group("where the shards run")
-    where.add_argument("--shards", type=int, default=1, help="number of shard processes to start on this host "
-                       "(default: %(default)s)")
-    where.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 for every interface "
-                       "(default: %(default)s)")
-    where.add_argument("--port", type=int, default=None, help="port of the first shard; the others follow "
-                       "consecutively (default: 50051, or the port of this shard in --peers)")
-    where.add_argument("--advertise-host", default=None, help="host name workers should use to reach these "
-                       "shards (default: --host, or this machine's hostname when binding 0.0.0.0)")
+    where.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="number of shard processes to start on this host (default: %(default)s)",
+    )
+    where.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind; 0.0.0.0 for every interface (default: %(default)s)",
+    )
+    where.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="port of the first shard; the others follow "
+        "consecutively (default: 50051, or the port of this shard in --peers)",
+    )
+    where.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host name workers should use to reach these "
+        "shards (default: --host, or this machine's hostname when binding 0.0.0.0)",
+    )
     where.add_argument("--shard-index", type=int, default=None, help="run exactly one shard, this one of --peers")
-    where.add_argument("--peers", default=None, help="comma-separated address of every shard, in shard order "
-                       "(with --shard-index)")
+    where.add_argument(
+        "--peers",
+        default=None,
+        help="comma-separated address of every shard, in shard order (with --shard-index)",
+    )
     where.add_argument("--peers-from-stdin", action="store_true", help=argparse.SUPPRESS)
-    where.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                       help="log verbosity (default: %(default)s)")
+    where.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log verbosity (default: %(default)s)",
+    )
 
-    job = parser.add_argument_group("the job (give every shard the same)")
-    for f in dataclasses.fields(ServerConfig):
-        kind = f.type if not isinstance(f.type, str) else {"int": int, "float": float, "str": str,
-                                                            "bool": _parse_bool}[f.type]
-        job.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=f.default,
-                         choices=f.metadata.get("choices"),
-                         help=f"{f.metadata['help']} (default: %(default)s)")
+    add_arguments(parser.add_argument_group("the job (give every shard the same)"), ServerConfig)
     return parser
-
-
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """Fill the ServerConfig from parsed flags."""
-    return ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
 
 
 def _advertised(host: str, advertise_host: str | None) -> str:
@@ -113,8 +123,15 @@ def run_local_shards(args: argparse.Namespace, config: ServerConfig) -> int:
     """Start --shards shard processes, print their addresses, and stop them all on SIGINT/SIGTERM."""
     stop = _wait_for_signal()
     port = 50051 if args.port is None else args.port
-    cluster = LocalCluster(config, args.shards, processes=True, host=args.host, port=port,
-                           advertise_host=_advertised(args.host, args.advertise_host), log_level=args.log_level)
+    cluster = LocalCluster(
+        config,
+        args.shards,
+        processes=True,
+        host=args.host,
+        port=port,
+        advertise_host=_advertised(args.host, args.advertise_host),
+        log_level=args.log_level,
+    )
     try:
         cluster.start()
     except (RuntimeError, TimeoutError) as exc:
@@ -139,10 +156,11 @@ def run_local_shards(args: argparse.Namespace, config: ServerConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ps-server."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     try:
-        config = config_from_args(args)
+        config = from_arguments(ServerConfig, args)
     except ValueError as exc:
         raise SystemExit(f"ps-server: {exc}") from None
     if args.shard_index is not None:

@@ -36,9 +36,18 @@ class LocalCluster:
     what production runs and what fault tests kill (`cluster.kill(i)`).
     """
 
-    def __init__(self, config: ServerConfig | None = None, shards: int = 1, *, processes: bool = False,
-                 host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 start_timeout: float = 60.0, log_level: str = "WARNING") -> None:
+    def __init__(
+        self,
+        config: ServerConfig | None = None,
+        shards: int = 1,
+        *,
+        processes: bool = False,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        start_timeout: float = 60.0,
+        log_level: str = "WARNING",
+    ) -> None:
         if shards < 1:
             raise ValueError(f"shards must be at least 1, not {shards}")
         self.config = config or ServerConfig()
@@ -83,12 +92,32 @@ class LocalCluster:
 
     def _start_processes(self) -> None:
         for i in range(self.num_shards):
-            cmd = [sys.executable, "-m", "paramserver.cli", "--shard-index", str(i), "--peers-from-stdin",
-                   "--host", self.host, "--port", str(self._port(i)), "--log-level", self.log_level,
-                   *config_to_args(self.config)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "paramserver.cli",
+                "--shard-index",
+                str(i),
+                "--peers-from-stdin",
+                "--host",
+                self.host,
+                "--port",
+                str(self._port(i)),
+                "--log-level",
+                self.log_level,
+                *config_to_args(self.config),
+            ]
             # A new session: a Ctrl-C in the terminal reaches only the parent, which stops shards in order.
-            self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                               bufsize=1, start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    bufsize=1,
+                    start_new_session=True,
+                )
+            )
         deadline = time.monotonic() + self.start_timeout
         ports = [int(self._expect(p, PORT_LINE, deadline)) for p in self.procs]
         self.addresses = [f"{self.advertise_host}:{port}" for port in ports]
@@ -108,8 +137,9 @@ class LocalCluster:
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"shard process {proc.pid} exited with status {proc.wait()} before serving "
-                                   f"(see its log above)")
+                raise RuntimeError(
+                    f"shard process {proc.pid} exited with status {proc.wait()} before serving (see its log above)"
+                )
             if line.startswith(tag):
                 return line.split()[1]
         raise TimeoutError(f"shard process {proc.pid} did not report {tag} within the start timeout")
@@ -131,8 +161,9 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     # -- access ------------------------------------------------------------------------------------------------

@@ -2,37 +2,86 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+C = TypeVar("C")
 
 MODES = ("sync", "async")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adagrad")
 
 
-def _f(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field whose help text the CLI shows."""
-    return field(default=default, metadata={"help": help, **kw})
+def config_field(default: Any, help: str, *, choices: tuple[str, ...] | None = None, flag: bool = False) -> Any:
+    """A config dataclass field carrying its CLI help (and choices; `flag` for on/off switches)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag})
+
+
+_TYPES: dict[str, Any] = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "int | None": int,
+    "str | None": str,
+    "float | None": float,
+}
+
+
+def add_arguments(group: argparse._ActionsContainer, cls: type) -> None:
+    """Add one --flag per field of a config dataclass, with its help text and default."""
+    for f in dataclasses.fields(cls):
+        flag = f"--{f.name.replace('_', '-')}"
+        if f.type == "bool":
+            group.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=f.default,
+                help=f.metadata["help"],
+            )
+            continue
+        group.add_argument(
+            flag,
+            dest=f.name,
+            type=_TYPES[str(f.type)],
+            default=f.default,
+            choices=f.metadata.get("choices"),
+            help=f"{f.metadata['help']} (default: %(default)s)",
+        )
+
+
+def from_arguments(cls: type[C], args: argparse.Namespace) -> C:
+    """Build a config dataclass from parsed flags (the fields' values)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything a shard needs to know about the job; every shard of a job gets the same one."""
 
-    mode: str = _f("sync", "consistency: sync (average one gradient per live worker, apply once) or async "
-                           "(apply each gradient on arrival)", choices=MODES)
-    workers: int = _f(1, "workers in the job: a sync round waits for this many (fewer once some have left), "
-                         "and the data is split this many ways")
-    optimizer: str = _f("adam", "server-side optimizer (torch.optim)", choices=OPTIMIZERS)
-    lr: float = _f(1e-3, "learning rate")
-    momentum: float = _f(0.9, "momentum of the 'momentum' optimizer")
-    weight_decay: float = _f(0.0, "weight decay (decoupled for adamw)")
-    job_name: str = _f("paramserver", "workers naming another job are refused")
-    pull_timeout: float = _f(60.0, "seconds a pull may wait for the version it asks for")
-    max_message_bytes: int = _f(4 * 1024 * 1024, "largest gRPC message a shard accepts (chunks are ~1 MiB)")
-    max_model_bytes: int = _f(16 * 1024**3, "largest part of a model (float32 bytes) one shard accepts")
-    max_concurrent_pushes: int = _f(2, "pushes received at once per shard (each needs one gradient-sized "
-                                       "buffer; more wait)")
+    mode: str = config_field(
+        "sync",
+        "consistency: sync (average one gradient per live worker, apply once) or async "
+        "(apply each gradient on arrival)",
+        choices=MODES,
+    )
+    workers: int = config_field(
+        1,
+        "workers in the job: a sync round waits for this many (fewer once some have left), "
+        "and the data is split this many ways",
+    )
+    optimizer: str = config_field("adam", "server-side optimizer (torch.optim)", choices=OPTIMIZERS)
+    lr: float = config_field(1e-3, "learning rate")
+    momentum: float = config_field(0.9, "momentum of the 'momentum' optimizer")
+    weight_decay: float = config_field(0.0, "weight decay (decoupled for adamw)")
+    job_name: str = config_field("paramserver", "workers naming another job are refused")
+    pull_timeout: float = config_field(60.0, "seconds a pull may wait for the version it asks for")
+    max_message_bytes: int = config_field(4 * 1024 * 1024, "largest gRPC message a shard accepts (chunks are ~1 MiB)")
+    max_model_bytes: int = config_field(16 * 1024**3, "largest part of a model (float32 bytes) one shard accepts")
+    max_concurrent_pushes: int = config_field(
+        2, "pushes received at once per shard (each needs one gradient-sized buffer; more wait)"
+    )
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

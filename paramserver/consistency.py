@@ -54,11 +54,15 @@ class SyncPolicy:
 
     def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor) -> None:
         if base_version != shard.version:
-            raise StaleRound(f"push computed on version {base_version}, but the shard is at version {shard.version}: "
-                             f"that round has closed; pull and compute the gradient again")
+            raise StaleRound(
+                f"push computed on version {base_version}, but the shard is at version {shard.version}: "
+                f"that round has closed; pull and compute the gradient again"
+            )
         if worker_id in self._contributors:
-            raise StaleRound(f"worker {worker_id!r} already pushed for round {base_version}; pull version "
-                             f"{base_version + 1} before pushing again")
+            raise StaleRound(
+                f"worker {worker_id!r} already pushed for round {base_version}; pull version "
+                f"{base_version + 1} before pushing again"
+            )
         assert self._sum is not None, "reset() before submit()"
         if self._contributors:
             self._sum.add_(grad)
@@ -74,8 +78,10 @@ class SyncPolicy:
         missing = sorted(shard.membership.live - self._contributors)
         have = len(self._contributors)
         if not shard.membership.ever_full:
-            return (f"round {shard.version} has {have} gradient(s); the job has had only "
-                    f"{len(shard.membership.live)} of its {shard.membership.world_size} workers join")
+            return (
+                f"round {shard.version} has {have} gradient(s); the job has had only "
+                f"{len(shard.membership.live)} of its {shard.membership.world_size} workers join"
+            )
         return f"round {shard.version} has {have} gradient(s), waiting for workers {missing}"
 
     def _close_if_complete(self, shard: Applier) -> None:
@@ -97,8 +103,10 @@ class AsyncPolicy:
 
     def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor) -> None:
         if base_version > shard.version:
-            raise InvalidArgument(f"push computed on version {base_version}, newer than the shard's "
-                                  f"{shard.version}: it cannot come from this shard")
+            raise InvalidArgument(
+                f"push computed on version {base_version}, newer than the shard's "
+                f"{shard.version}: it cannot come from this shard"
+            )
         shard.apply(grad)
 
     def membership_changed(self, shard: Applier) -> None:

@@ -57,8 +57,10 @@ class Membership:
         used = {w.rank for w in self._workers.values()}
         free = [r for r in range(self.world_size) if r not in used]
         if not free:
-            raise TooLarge(f"the job already has its {self.world_size} workers; start the servers with a larger "
-                           f"--workers to add more")
+            raise TooLarge(
+                f"the job already has its {self.world_size} workers; start the servers with a larger "
+                f"--workers to add more"
+            )
         worker = Worker(worker_id, free[0], time.monotonic())
         self._workers[worker_id] = worker
         if len(self._workers) >= self.world_size:

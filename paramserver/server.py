@@ -43,8 +43,9 @@ class ShardServer:
         """Bind a shard's server to host:port (0: the OS picks) without starting it."""
         shard = Shard(config, index)
         # Each sync-mode pull may wait for its round in a thread of its own, so leave room per worker.
-        pool = futures.ThreadPoolExecutor(max_workers=max(16, 4 * config.workers + 8),
-                                          thread_name_prefix=f"shard{index}")
+        pool = futures.ThreadPoolExecutor(
+            max_workers=max(16, 4 * config.workers + 8), thread_name_prefix=f"shard{index}"
+        )
         # so_reuseport off: a second server on the same port must fail, not silently share it.
         server = grpc.server(pool, options=[*grpc_options(config), ("grpc.so_reuseport", 0)])
         ps_pb2_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(shard), server)

@@ -56,8 +56,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             return ps_pb2.Topology(
                 shards=self.shard.addresses,
                 shard_index=self.shard.index,
-                job=ps_pb2.JobInfo(mode=_MODES[c.mode], workers=c.workers, optimizer=c.optimizer, lr=c.lr,
-                                   job_name=c.job_name),
+                job=ps_pb2.JobInfo(
+                    mode=_MODES[c.mode],
+                    workers=c.workers,
+                    optimizer=c.optimizer,
+                    lr=c.lr,
+                    job_name=c.job_name,
+                ),
                 initialized=bool(d["initialized"]),
                 model_digest=str(d["digest"]),
                 specs=[ps_pb2.TensorSpec(name=s.name, shape=s.shape) for s in d["specs"]],  # type: ignore[attr-defined]
@@ -75,15 +80,20 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self.shard.leave(request.worker_id)
             return ps_pb2.LeaveResponse()
 
-    def Init(self, request_iterator: Iterator[ps_pb2.InitMessage], context: grpc.ServicerContext
-             ) -> ps_pb2.InitResponse:
+    def Init(
+        self, request_iterator: Iterator[ps_pb2.InitMessage], context: grpc.ServicerContext
+    ) -> ps_pb2.InitResponse:
         with rpc_errors(context, "Init"):
             header = _header(request_iterator, "Init")
             self.shard.check_worker(header.worker_id)  # type: ignore[attr-defined]
-            model = self.shard.prepare_init(specs_from_proto(header.specs),  # type: ignore[attr-defined]
-                                            header.num_shards, header.model_digest)  # type: ignore[attr-defined]
-            receiver = ChunkReceiver(model.views(model.params.numpy()), model.labels,
-                                     wire_dtype(header.dtype), check_finite=True)  # type: ignore[attr-defined]
+            model = self.shard.prepare_init(
+                specs_from_proto(header.specs),  # type: ignore[attr-defined]
+                header.num_shards,
+                header.model_digest,
+            )  # type: ignore[attr-defined]
+            receiver = ChunkReceiver(
+                model.views(model.params.numpy()), model.labels, wire_dtype(header.dtype), check_finite=True
+            )  # type: ignore[attr-defined]
             _receive(request_iterator, receiver)
             return ps_pb2.InitResponse(version=self.shard.commit_init(model))
 
@@ -91,24 +101,34 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         with rpc_errors(context, "Pull"):
             dtype = wire_dtype(request.dtype)
             remaining = context.time_remaining()
-            timeout = self.shard.config.pull_timeout if remaining is None else min(remaining,
-                                                                                   self.shard.config.pull_timeout)
+            timeout = (
+                self.shard.config.pull_timeout if remaining is None else min(remaining, self.shard.config.pull_timeout)
+            )
             version, model = self.shard.wait_for(request.min_version, timeout, request.worker_id)
             yield ps_pb2.PullMessage(header=ps_pb2.PullHeader(version=version, model_digest=model.digest))
             for piece, offset, data in iter_chunks(model.views(model.params.numpy()), dtype):
                 yield ps_pb2.PullMessage(chunk=ps_pb2.Chunk(piece=piece, offset=offset, data=data))
 
-    def Push(self, request_iterator: Iterator[ps_pb2.PushMessage], context: grpc.ServicerContext
-             ) -> ps_pb2.PushResponse:
+    def Push(
+        self, request_iterator: Iterator[ps_pb2.PushMessage], context: grpc.ServicerContext
+    ) -> ps_pb2.PushResponse:
         with rpc_errors(context, "Push"):
             header = _header(request_iterator, "Push")
             model = self.shard.require_model(header.model_digest)  # type: ignore[attr-defined]
             self.shard.check_worker(header.worker_id)  # type: ignore[attr-defined]
             with self.shard.scratch() as grad:
-                receiver = ChunkReceiver(model.views(grad), model.labels, wire_dtype(header.dtype),  # type: ignore[attr-defined]
-                                         check_finite=True)
+                receiver = ChunkReceiver(
+                    model.views(grad),
+                    model.labels,
+                    wire_dtype(header.dtype),  # type: ignore[attr-defined]
+                    check_finite=True,
+                )
                 _receive(request_iterator, receiver)
-                version, applied = self.shard.push(header.worker_id, header.step,  # type: ignore[attr-defined]
-                                                   header.base_version, grad,  # type: ignore[attr-defined]
-                                                   header.model_digest)  # type: ignore[attr-defined]
+                version, applied = self.shard.push(
+                    header.worker_id,
+                    header.step,  # type: ignore[attr-defined]
+                    header.base_version,
+                    grad,  # type: ignore[attr-defined]
+                    header.model_digest,
+                )  # type: ignore[attr-defined]
             return ps_pb2.PushResponse(version=version, applied=applied)

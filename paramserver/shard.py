@@ -122,14 +122,20 @@ class Shard:
     def join(self, worker_id: str, job_name: str) -> tuple[int, int]:
         """Add a worker to the job; return (rank, version)."""
         if job_name and job_name != self.config.job_name:
-            raise WrongJob(f"worker {worker_id!r} belongs to job {job_name!r}, this shard serves job "
-                           f"{self.config.job_name!r}")
+            raise WrongJob(
+                f"worker {worker_id!r} belongs to job {job_name!r}, this shard serves job {self.config.job_name!r}"
+            )
         with self._cond:
             new = worker_id not in self.membership.live
             worker = self.membership.join(worker_id)
             if new:
-                log.info("shard %d: worker %s joined as rank %d (%d live)", self.index, worker_id, worker.rank,
-                         len(self.membership.live))
+                log.info(
+                    "shard %d: worker %s joined as rank %d (%d live)",
+                    self.index,
+                    worker_id,
+                    worker.rank,
+                    len(self.membership.live),
+                )
             self.policy.membership_changed(self)
             return worker.rank, self.version
 
@@ -152,8 +158,9 @@ class Shard:
     def prepare_init(self, specs: Sequence[TensorSpec], num_shards: int, digest: str) -> ShardModel:
         """Check an Init header and return an unattached model to receive the initial values into."""
         if num_shards != len(self.addresses):
-            raise ModelMismatch(f"the worker placed the model on {num_shards} shards, but the job has "
-                                f"{len(self.addresses)}")
+            raise ModelMismatch(
+                f"the worker placed the model on {num_shards} shards, but the job has {len(self.addresses)}"
+            )
         if not specs:
             raise InvalidArgument("the model has no tensors")
         try:
@@ -161,19 +168,29 @@ class Shard:
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         if placement.digest != digest:
-            raise ModelMismatch("the worker's placement digest differs from the shard's for the same tensors: "
-                                "client and server run incompatible placement code")
+            raise ModelMismatch(
+                "the worker's placement digest differs from the shard's for the same tensors: "
+                "client and server run incompatible placement code"
+            )
         self._check_not_held(digest)
         pieces = placement.shards[self.index]
         numel = placement.shard_elements(self.index)
         if numel * 4 > self.config.max_model_bytes:
-            raise TooLarge(f"this shard's part of the model is {numel * 4} bytes, over the limit of "
-                           f"{self.config.max_model_bytes} (max_model_bytes); use more shards")
+            raise TooLarge(
+                f"this shard's part of the model is {numel * 4} bytes, over the limit of "
+                f"{self.config.max_model_bytes} (max_model_bytes); use more shards"
+            )
         offsets = tuple(int(o) for o in np.cumsum([0] + [p.length for p in pieces[:-1]])) if pieces else ()
         by_name = {s.name: s for s in specs}
         params = torch.zeros(numel, dtype=torch.float32)
-        return ShardModel(placement, pieces, offsets, tuple(piece_label(p, by_name) for p in pieces), params,
-                          make_optimizer(self.config, params))
+        return ShardModel(
+            placement,
+            pieces,
+            offsets,
+            tuple(piece_label(p, by_name) for p in pieces),
+            params,
+            make_optimizer(self.config, params),
+        )
 
     def commit_init(self, model: ShardModel) -> int:
         """Adopt a fully received model, unless another Init won the race; return the version."""
@@ -183,8 +200,13 @@ class Shard:
             self.version = 0
             self.policy.reset(model.numel)
             self._pool = BufferPool(self.config.max_concurrent_pushes, model.numel)
-            log.info("shard %d: model %s initialised: %d pieces, %d elements", self.index, model.digest[:12],
-                     len(model.pieces), model.numel)
+            log.info(
+                "shard %d: model %s initialised: %d pieces, %d elements",
+                self.index,
+                model.digest[:12],
+                len(model.pieces),
+                model.numel,
+            )
             self._cond.notify_all()
             return self.version
 
@@ -193,8 +215,10 @@ class Shard:
             return
         if self.model.digest == digest:
             raise AlreadyInitialized(f"shard {self.index} already holds this model (digest {digest[:12]}); pull it")
-        raise ModelMismatch(f"shard {self.index} holds another model (digest {self.model.digest[:12]}), not "
-                            f"{digest[:12]}: different tensor names, shapes or shard count")
+        raise ModelMismatch(
+            f"shard {self.index} holds another model (digest {self.model.digest[:12]}), not "
+            f"{digest[:12]}: different tensor names, shapes or shard count"
+        )
 
     # -- push --------------------------------------------------------------------------------------------------
 
@@ -204,8 +228,9 @@ class Shard:
         if model is None:
             raise NotInitialized(f"shard {self.index} holds no model yet: register (init) the model first")
         if digest is not None and digest != model.digest:
-            raise ModelMismatch(f"the request is for model {digest[:12] or '(none)'}, but shard {self.index} holds "
-                                f"{model.digest[:12]}")
+            raise ModelMismatch(
+                f"the request is for model {digest[:12] or '(none)'}, but shard {self.index} holds {model.digest[:12]}"
+            )
         return model
 
     def check_worker(self, worker_id: str) -> None:
@@ -258,8 +283,10 @@ class Shard:
             if self._closed:
                 raise ShuttingDown(f"shard {self.index} is shutting down")
             if not reached:
-                raise PullTimeout(f"shard {self.index} is at version {self.version}, not {min_version}, after "
-                                  f"{timeout:.1f} s: {self.policy.waiting_for(self)}")
+                raise PullTimeout(
+                    f"shard {self.index} is at version {self.version}, not {min_version}, after "
+                    f"{timeout:.1f} s: {self.policy.waiting_for(self)}"
+                )
             model = self.require_model()
             return self.version, model
 
@@ -292,5 +319,7 @@ class Shard:
                 for state in self.model.optimizer.state.values():
                     for key in sorted(state):
                         value = state[key]
-                        parts.append(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
+                        parts.append(
+                            value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode()
+                        )
             return b"|".join(parts)

@@ -22,8 +22,14 @@ BFLOAT16 = ps_pb2.BFLOAT16
 FLOAT16 = ps_pb2.FLOAT16
 
 _ITEMSIZE = {FLOAT32: 4, BFLOAT16: 2, FLOAT16: 2}
-_NAMES = {"float32": FLOAT32, "fp32": FLOAT32, "bfloat16": BFLOAT16, "bf16": BFLOAT16,
-          "float16": FLOAT16, "fp16": FLOAT16}
+_NAMES = {
+    "float32": FLOAT32,
+    "fp32": FLOAT32,
+    "bfloat16": BFLOAT16,
+    "bf16": BFLOAT16,
+    "float16": FLOAT16,
+    "fp16": FLOAT16,
+}
 
 
 def wire_dtype(name_or_code: str | int) -> int:
@@ -110,8 +116,9 @@ class ChunkReceiver:
             raise MalformedStream(f"chunk names piece {piece}, but this shard holds pieces 0..{len(self._targets) - 1}")
         name = self._names[piece]
         if len(data) % self._itemsize:
-            raise MalformedStream(f"chunk of {name} has {len(data)} bytes, not a whole number of "
-                                  f"{self._itemsize}-byte elements")
+            raise MalformedStream(
+                f"chunk of {name} has {len(data)} bytes, not a whole number of {self._itemsize}-byte elements"
+            )
         n = len(data) // self._itemsize
         size = len(self._targets[piece])
         if n == 0 or offset + n > size:
@@ -132,5 +139,7 @@ class ChunkReceiver:
         """Raise MalformedStream unless every element of every piece was received."""
         for k, target in enumerate(self._targets):
             if self._filled[k] != len(target):
-                raise MalformedStream(f"stream ended with {self._filled[k]} of {len(target)} elements of "
-                                      f"{self._names[k]} received (truncated or gap)")
+                raise MalformedStream(
+                    f"stream ended with {self._filled[k]} of {len(target)} elements of "
+                    f"{self._names[k]} received (truncated or gap)"
+                )

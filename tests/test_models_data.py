@@ -91,9 +91,7 @@ def test_user_factory_receives_shape_and_classes(digits: Dataset) -> None:
     assert model(digits.x_test[:3]).shape == (3, 10)
 
 
-def test_user_factory_without_arguments_and_bad_return(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_user_factory_without_arguments_and_bad_return(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "my_user_models.py").write_text(
         textwrap.dedent(
             """

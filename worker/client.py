@@ -31,18 +31,22 @@ Tensors = torch.nn.Module | Mapping[str, torch.Tensor]
 
 # Unary calls retry UNAVAILABLE (a shard restarting) with backoff, declared once for the channel. Streams are
 # not retried by gRPC beyond its small buffer; a push is safe to resend because the server dedupes (worker, step).
-_SERVICE_CONFIG = json.dumps({
-    "methodConfig": [{
-        "name": [{"service": "paramserver.v1.ParameterServer"}],
-        "retryPolicy": {
-            "maxAttempts": 5,
-            "initialBackoff": "0.1s",
-            "maxBackoff": "2s",
-            "backoffMultiplier": 2,
-            "retryableStatusCodes": ["UNAVAILABLE"],
-        },
-    }]
-})
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "paramserver.v1.ParameterServer"}],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
 
 _MODES = {ps_pb2.SYNC: "sync", ps_pb2.ASYNC: "async"}
 
@@ -109,9 +113,18 @@ class PSClient:
     mapping of name -> float32 tensor (push then sends the tensors themselves as the gradient).
     """
 
-    def __init__(self, address: str, *, worker_id: str | None = None, job_name: str = "", join: bool = True,
-                 dtype: str = "float32", timeout: float = 120.0, connect_timeout: float = 30.0,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        worker_id: str | None = None,
+        job_name: str = "",
+        join: bool = True,
+        dtype: str = "float32",
+        timeout: float = 120.0,
+        connect_timeout: float = 30.0,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
         self.worker_id = worker_id or uuid.uuid4().hex
         self.job_name = job_name
         self.dtype = wire_dtype(dtype)
@@ -126,8 +139,12 @@ class PSClient:
 
         entry = grpc.insecure_channel(address, options=channel_options())
         try:
-            topo = self._call(address, lambda: ps_pb2_grpc.ParameterServerStub(entry).GetTopology(
-                ps_pb2.GetTopologyRequest(), timeout=connect_timeout, wait_for_ready=True))
+            topo = self._call(
+                address,
+                lambda: ps_pb2_grpc.ParameterServerStub(entry).GetTopology(
+                    ps_pb2.GetTopologyRequest(), timeout=connect_timeout, wait_for_ready=True
+                ),
+            )
         finally:
             entry.close()
         self.topology = topo
@@ -169,8 +186,12 @@ class PSClient:
             return b
         specs = [TensorSpec(n, tuple(t.shape)) for n, t in zip(names, tensors, strict=True)]
         placement = place(specs, len(self.addresses), int(self.topology.slice_elements) or SLICE_ELEMENTS)
-        host = [None if (t.device.type == "cpu" and t.is_contiguous()) else torch.empty(
-            t.numel(), dtype=torch.float32, pin_memory=t.device.type == "cuda") for t in tensors]
+        host = [
+            None
+            if (t.device.type == "cpu" and t.is_contiguous())
+            else torch.empty(t.numel(), dtype=torch.float32, pin_memory=t.device.type == "cuda")
+            for t in tensors
+        ]
         b = _Binding(names, tensors, placement, host)
         self._bindings[key] = b
         return b
@@ -193,12 +214,19 @@ class PSClient:
             topo = self._stubs[k].GetTopology(ps_pb2.GetTopologyRequest(), timeout=self.timeout)
             if topo.initialized:
                 if topo.model_digest != digest:
-                    raise ModelMismatch(f"shard {self.addresses[k]} holds another model (digest "
-                                        f"{topo.model_digest[:12]}, yours {digest[:12]}): different tensor names "
-                                        f"or shapes; restart the servers to train a new model")
+                    raise ModelMismatch(
+                        f"shard {self.addresses[k]} holds another model (digest "
+                        f"{topo.model_digest[:12]}, yours {digest[:12]}): different tensor names "
+                        f"or shapes; restart the servers to train a new model"
+                    )
                 return
-            header = ps_pb2.InitHeader(worker_id=self.worker_id, specs=specs, num_shards=len(self.addresses),
-                                       model_digest=digest, dtype=ps_pb2.FLOAT32)
+            header = ps_pb2.InitHeader(
+                worker_id=self.worker_id,
+                specs=specs,
+                num_shards=len(self.addresses),
+                model_digest=digest,
+                dtype=ps_pb2.FLOAT32,
+            )
 
             def messages():  # type: ignore[no-untyped-def]
                 yield ps_pb2.InitMessage(header=header)
@@ -223,13 +251,16 @@ class PSClient:
         dtype = self.dtype
 
         def pull_one(k: int) -> int:
-            req = ps_pb2.PullRequest(worker_id=self.worker_id if self._joined else "",
-                                     min_version=self._min_next[k], dtype=dtype)
+            req = ps_pb2.PullRequest(
+                worker_id=self.worker_id if self._joined else "", min_version=self._min_next[k], dtype=dtype
+            )
             stream = self._stubs[k].Pull(req, timeout=self.timeout)
             first = next(stream)
             if first.WhichOneof("kind") != "header" or first.header.model_digest != b.placement.digest:
-                raise ModelMismatch(f"shard {self.addresses[k]} holds another model than the one being pulled "
-                                    f"into ({first.header.model_digest[:12]} vs {b.placement.digest[:12]})")
+                raise ModelMismatch(
+                    f"shard {self.addresses[k]} holds another model than the one being pulled "
+                    f"into ({first.header.model_digest[:12]} vs {b.placement.digest[:12]})"
+                )
             receiver = ChunkReceiver(b.views(k, flats), b.labels(k), dtype)
             for msg in stream:
                 receiver.add(msg.chunk.piece, msg.chunk.offset, msg.chunk.data)
@@ -272,8 +303,13 @@ class PSClient:
 
         def push_one(k: int) -> int:
             base = self.versions[k]
-            header = ps_pb2.PushHeader(worker_id=self.worker_id, step=step, base_version=base,
-                                       model_digest=b.placement.digest, dtype=dtype)
+            header = ps_pb2.PushHeader(
+                worker_id=self.worker_id,
+                step=step,
+                base_version=base,
+                model_digest=b.placement.digest,
+                dtype=dtype,
+            )
 
             def messages():  # type: ignore[no-untyped-def]
                 yield ps_pb2.PushMessage(header=header)
@@ -322,6 +358,7 @@ class PSClient:
     def __enter__(self) -> PSClient:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()

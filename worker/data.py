@@ -64,9 +64,7 @@ def _digits() -> Dataset:
     bunch = load_digits()
     x = (bunch.images.astype(np.float32) / 16.0)[:, None]  # (N, 1, 8, 8), pixels 0..16 scaled to 0..1
     y = bunch.target.astype(np.int64)
-    x_train, x_test, y_train, y_test = train_test_split(
-        x, y, test_size=0.2, random_state=_SPLIT_SEED, stratify=y
-    )
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=_SPLIT_SEED, stratify=y)
     return _make("digits", x_train, y_train, x_test, y_test, num_classes=10)
 
 
@@ -92,23 +90,17 @@ def _synthetic(
 
 def _npz(path: Path) -> Dataset:
     if not path.is_file():
-        raise FileNotFoundError(
-            f"dataset file {str(path)!r} does not exist (expected a .npz with {_NPZ_KEYS})"
-        )
+        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist (expected a .npz with {_NPZ_KEYS})")
     with np.load(path, allow_pickle=False) as npz:
         missing = [key for key in _NPZ_KEYS if key not in npz.files]
         if missing:
-            raise ValueError(
-                f"{path} is missing array(s) {', '.join(missing)}; it must hold {', '.join(_NPZ_KEYS)}"
-            )
+            raise ValueError(f"{path} is missing array(s) {', '.join(missing)}; it must hold {', '.join(_NPZ_KEYS)}")
         x_train, y_train, x_test, y_test = (npz[key] for key in _NPZ_KEYS)
     for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
         if x.ndim < 2:
             raise ValueError(f"{path}: x_{split} must have shape (N, ...features), got {x.shape}")
         if y.ndim != 1 or len(y) != len(x):
-            raise ValueError(
-                f"{path}: y_{split} must have shape ({len(x)},) to match x_{split}, got {y.shape}"
-            )
+            raise ValueError(f"{path}: y_{split} must have shape ({len(x)},) to match x_{split}, got {y.shape}")
         # Casting float labels to int64 would silently truncate them, so only integer labels are accepted.
         if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.bool_)):
             raise ValueError(f"{path}: y_{split} must hold integer class labels, got dtype {y.dtype}")
@@ -151,9 +143,7 @@ def _make(
     )
 
 
-def shard_for_rank(
-    x: torch.Tensor, y: torch.Tensor, rank: int, world: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def shard_for_rank(x: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Return rank `rank`'s disjoint shard of (x, y), len(x) // world samples, the same on every call."""
     if world < 1:
         raise ValueError(f"world must be at least 1, got {world}")

@@ -39,9 +39,7 @@ def build_model(name: str, *, in_shape: tuple[int, ...], num_classes: int) -> nn
 
 
 def _logreg(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    return nn.Sequential(
-        OrderedDict(flatten=nn.Flatten(), linear=nn.Linear(math.prod(in_shape), num_classes))
-    )
+    return nn.Sequential(OrderedDict(flatten=nn.Flatten(), linear=nn.Linear(math.prod(in_shape), num_classes)))
 
 
 def _mlp(in_shape: tuple[int, ...], num_classes: int, hidden: int = 256) -> nn.Module:
@@ -112,8 +110,6 @@ def _takes_shape_kwargs(factory: Callable[..., object]) -> bool:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return True
     keywordable = {
-        p.name
-        for p in params
-        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     }
     return {"in_shape", "num_classes"} <= keywordable

@@ -1,0 +1,210 @@
+"""The worker's loop: compute a gradient on the current weights, push it, pull the next weights; then evaluate."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from paramserver.config import config_field
+from paramserver.errors import StaleRound
+from worker.client import PSClient
+from worker.data import Dataset, batches, load_dataset, shard_for_rank, steps_per_epoch
+from worker.models import BUILTIN_MODELS, build_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What one worker trains and how; the job's dynamics (mode, optimizer, lr) live on the servers."""
+
+    server: str = config_field("127.0.0.1:50051", "address of any one shard (host:port)")
+    model: str = config_field(
+        "cnn", f"model: {', '.join(BUILTIN_MODELS)}, or package.module:factory for your own nn.Module factory"
+    )
+    dataset: str = config_field(
+        "digits",
+        "dataset: digits (scikit-learn's handwritten digits), synthetic, or "
+        "PATH.npz with x_train, y_train, x_test, y_test",
+    )
+    epochs: int = config_field(10, "passes over this worker's part of the training data")
+    steps: int | None = config_field(None, "train exactly this many steps instead of --epochs")
+    batch_size: int = config_field(
+        32,
+        "samples per step on this worker (in sync mode the server averages the "
+        "workers' gradients, so one step sees batch-size x workers samples)",
+    )
+    device: str = config_field("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
+    seed: int = config_field(0, "seed of the model's initial weights and of the data order")
+    wire_dtype: str = config_field(
+        "float32",
+        "dtype of tensors on the wire: float32, bf16 or fp16 (the servers keep float32)",
+        choices=("float32", "bf16", "fp16"),
+    )
+    job_name: str = config_field("", "job to join; refused if the servers run another (default: any)")
+    threads: int = config_field(1, "torch CPU threads (1 is fastest when shards and workers share the cores)")
+    timeout: float = config_field(120.0, "seconds to wait for a shard before giving up on a call")
+    metrics_out: str | None = config_field(None, "write a JSON summary of the run to this file")
+    save_model: str | None = config_field(None, "save the trained weights as a torch state_dict to this file")
+    progress: bool = config_field(True, "show a progress bar")
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1:
+            raise ValueError(f"epochs must be at least 1, not {self.epochs}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be at least 1, not {self.steps}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch-size must be at least 1, not {self.batch_size}")
+
+
+def resolve_device(spec: str) -> torch.device:
+    """Turn auto / cpu / cuda / cuda:N into a device, with a clear error when CUDA is asked for but absent."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {spec}: CUDA is not available on this machine (use auto or cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, batch_size: int = 1024
+) -> float:
+    """Return the accuracy of `model` on (x, y)."""
+    model.eval()
+    correct = 0
+    for i in range(0, len(x), batch_size):
+        logits = model(x[i : i + batch_size].to(device))
+        correct += int((logits.argmax(1).cpu() == y[i : i + batch_size]).sum())
+    model.train()
+    return correct / max(1, len(x))
+
+
+def save_state_dict(model: torch.nn.Module, path: str) -> None:
+    """Write the model's state_dict (CPU tensors) atomically: a temp file, then rename."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
+    os.replace(tmp, target)
+
+
+def write_json(path: str, doc: dict[str, Any]) -> None:
+    """Write a JSON document atomically."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    os.replace(tmp, target)
+
+
+def train(
+    config: TrainConfig, dataset: Dataset | None = None, on_step: Callable[[int, float], None] | None = None
+) -> dict[str, Any]:
+    """Join the job, train until the steps are done, evaluate on the held-out split, leave; return the metrics."""
+    torch.set_num_threads(config.threads)
+    device = resolve_device(config.device)
+    data = dataset or load_dataset(config.dataset)
+    # The same seed on every worker gives the same initial weights, so whichever registers first is fine.
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, in_shape=data.in_shape, num_classes=data.num_classes).to(device)
+
+    with PSClient(config.server, job_name=config.job_name, dtype=config.wire_dtype, timeout=config.timeout) as client:
+        client.register(model)
+        x, y = shard_for_rank(data.x_train, data.y_train, client.rank, client.world_size)
+        per_epoch = steps_per_epoch(len(x), config.batch_size)
+        total = config.steps if config.steps is not None else config.epochs * per_epoch
+        log.info(
+            "worker %s: rank %d of %d, %s mode, %d samples, %d steps on %s",
+            client.worker_id[:8],
+            client.rank,
+            client.world_size,
+            client.mode,
+            len(x),
+            total,
+            device,
+        )
+
+        bar = None
+        if config.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=total,
+                desc=f"worker {client.rank}",
+                position=client.rank,
+                unit="step",
+                dynamic_ncols=True,
+                mininterval=0.25,
+                leave=True,
+            )
+        step, samples, stale, loss_value = 0, 0, 0, float("nan")
+        start = time.perf_counter()
+        try:
+            epoch = 0
+            while step < total:
+                for xb, yb in batches(x, y, config.batch_size, seed=config.seed + client.rank, epoch=epoch):
+                    if step >= total:
+                        break
+                    xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+                    model.zero_grad(set_to_none=False)
+                    loss = F.cross_entropy(model(xb), yb)
+                    loss.backward()
+                    try:
+                        client.push(model)
+                    except StaleRound as exc:
+                        # The round closed without us (we were too slow or were dropped): catch up and go on.
+                        stale += 1
+                        log.debug("push refused: %s", exc)
+                    client.pull(model)
+                    step += 1
+                    samples += len(xb)
+                    loss_value = loss.item()
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
+                    if on_step is not None:
+                        on_step(step, loss_value)
+                epoch += 1
+        finally:
+            if bar is not None:
+                bar.close()
+        seconds = time.perf_counter() - start
+        accuracy = evaluate(model, data.x_test, data.y_test, device)
+        metrics = {
+            "rank": client.rank,
+            "world_size": client.world_size,
+            "worker_id": client.worker_id,
+            "mode": client.mode,
+            "model": config.model,
+            "dataset": data.name,
+            "device": str(device),
+            "batch_size": config.batch_size,
+            "steps": step,
+            "samples": samples,
+            "seconds": round(seconds, 4),
+            "samples_per_second": round(samples / seconds, 2) if seconds > 0 else 0.0,
+            "final_loss": loss_value,
+            "test_accuracy": accuracy,
+            "server_version": min(client.versions),
+            "stale_pushes": stale,
+            "config": asdict(config),
+        }
+    if config.save_model:
+        save_state_dict(model, config.save_model)
+    if config.metrics_out:
+        write_json(config.metrics_out, metrics)
+    return metrics
