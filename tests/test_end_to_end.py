@@ -107,8 +107,8 @@ def test_sync_two_workers_equal_local_training_on_the_combined_batch(ps_cluster_
         for name, value in reference.state_dict().items():
             for rank in (0, 1):
                 torch.testing.assert_close(
-                    finals[rank][name], value, atol=1e-5, rtol=0, msg=lambda m: f"{name} on rank {rank}: {m}"
-                )  # noqa: B023
+                    finals[rank][name], value, atol=1e-5, rtol=0, msg=lambda m, n=name, r=rank: f"{n} on rank {r}: {m}"
+                )
     assert all(s.version == steps for s in cluster.shards)
 
 
