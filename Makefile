@@ -31,6 +31,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check paramserver worker tests
 	$(VENV)/bin/ruff format --check paramserver worker tests
+	$(VENV)/bin/mypy paramserver worker
 
 ## proto: regenerate paramserver/v1 from protos/ (committed; tests check it is current)
 proto: $(STAMP)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import grpc
 
 from paramserver.errors import InvalidArgument, MalformedStream, rpc_errors
-from paramserver.placement import TensorSpec
+from paramserver.placement import SLICE_ELEMENTS, TensorSpec
 from paramserver.shard import Shard
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire import ChunkReceiver, iter_chunks, wire_dtype
@@ -15,20 +16,20 @@ from paramserver.wire import ChunkReceiver, iter_chunks, wire_dtype
 _MODES = {"sync": ps_pb2.SYNC, "async": ps_pb2.ASYNC}
 
 
-def _header(stream: Iterator[object], kind: str) -> object:
+def _header(stream: Iterator[Any], kind: str) -> Any:
     """Return the header that must open a client stream."""
     first = next(stream, None)
-    if first is None or first.WhichOneof("kind") != "header":  # type: ignore[attr-defined]
+    if first is None or first.WhichOneof("kind") != "header":
         raise MalformedStream(f"a {kind} stream must start with its header")
-    return first.header  # type: ignore[attr-defined]
+    return first.header
 
 
-def _receive(stream: Iterator[object], receiver: ChunkReceiver) -> None:
+def _receive(stream: Iterator[Any], receiver: ChunkReceiver) -> None:
     """Feed every remaining message of a client stream, all chunks, into the receiver."""
     for msg in stream:
-        if msg.WhichOneof("kind") != "chunk":  # type: ignore[attr-defined]
+        if msg.WhichOneof("kind") != "chunk":
             raise MalformedStream("only chunks may follow the header")
-        chunk = msg.chunk  # type: ignore[attr-defined]
+        chunk = msg.chunk
         receiver.add(chunk.piece, chunk.offset, chunk.data)
     receiver.finish()
 
@@ -63,11 +64,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     lr=c.lr,
                     job_name=c.job_name,
                 ),
-                initialized=bool(d["initialized"]),
-                model_digest=str(d["digest"]),
-                specs=[ps_pb2.TensorSpec(name=s.name, shape=s.shape) for s in d["specs"]],  # type: ignore[attr-defined]
-                version=int(d["version"]),  # type: ignore[call-overload]
-                slice_elements=int(d["slice_elements"]),  # type: ignore[call-overload]
+                initialized=d.initialized,
+                model_digest=d.digest,
+                specs=[ps_pb2.TensorSpec(name=s.name, shape=s.shape) for s in d.specs],
+                version=d.version,
+                slice_elements=SLICE_ELEMENTS,
             )
 
     def Join(self, request: ps_pb2.JoinRequest, context: grpc.ServicerContext) -> ps_pb2.JoinResponse:
@@ -85,15 +86,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     ) -> ps_pb2.InitResponse:
         with rpc_errors(context, "Init"):
             header = _header(request_iterator, "Init")
-            self.shard.check_worker(header.worker_id)  # type: ignore[attr-defined]
+            self.shard.check_worker(header.worker_id)
             model = self.shard.prepare_init(
-                specs_from_proto(header.specs),  # type: ignore[attr-defined]
+                specs_from_proto(header.specs),
                 header.num_shards,
                 header.model_digest,
-            )  # type: ignore[attr-defined]
+            )
             receiver = ChunkReceiver(
                 model.views(model.params.numpy()), model.labels, wire_dtype(header.dtype), check_finite=True
-            )  # type: ignore[attr-defined]
+            )
             _receive(request_iterator, receiver)
             return ps_pb2.InitResponse(version=self.shard.commit_init(model))
 
@@ -114,21 +115,21 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     ) -> ps_pb2.PushResponse:
         with rpc_errors(context, "Push"):
             header = _header(request_iterator, "Push")
-            model = self.shard.require_model(header.model_digest)  # type: ignore[attr-defined]
-            self.shard.check_worker(header.worker_id)  # type: ignore[attr-defined]
+            model = self.shard.require_model(header.model_digest)
+            self.shard.check_worker(header.worker_id)
             with self.shard.scratch() as grad:
                 receiver = ChunkReceiver(
                     model.views(grad),
                     model.labels,
-                    wire_dtype(header.dtype),  # type: ignore[attr-defined]
+                    wire_dtype(header.dtype),
                     check_finite=True,
                 )
                 _receive(request_iterator, receiver)
                 version, applied = self.shard.push(
                     header.worker_id,
-                    header.step,  # type: ignore[attr-defined]
+                    header.step,
                     header.base_version,
-                    grad,  # type: ignore[attr-defined]
+                    grad,
                     header.model_digest,
-                )  # type: ignore[attr-defined]
+                )
             return ps_pb2.PushResponse(version=version, applied=applied)

@@ -30,7 +30,7 @@ from paramserver.errors import (
     WrongJob,
 )
 from paramserver.membership import Membership
-from paramserver.placement import SLICE_ELEMENTS, Piece, Placement, TensorSpec, place
+from paramserver.placement import Piece, Placement, TensorSpec, place
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,17 @@ class ShardModel:
     def views(self, flat: np.ndarray) -> list[np.ndarray]:
         """Split a flat buffer of this shard's size into one view per piece."""
         return [flat[o : o + p.length] for o, p in zip(self.offsets, self.pieces, strict=True)]
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    """What a shard holds, at one instant."""
+
+    initialized: bool
+    digest: str
+    specs: tuple[TensorSpec, ...]
+    version: int
+    live_workers: int
 
 
 class BufferPool:
@@ -298,17 +309,17 @@ class Shard:
 
     # -- introspection -----------------------------------------------------------------------------------------
 
-    def describe(self) -> dict[str, object]:
+    def describe(self) -> ShardStatus:
         """A consistent snapshot of what the shard holds (for Topology and tests)."""
         with self._cond:
             model = self.model
-            return {
-                "initialized": model is not None,
-                "digest": model.digest if model else "",
-                "specs": model.placement.specs if model else (),
-                "version": self.version,
-                "slice_elements": SLICE_ELEMENTS,
-            }
+            return ShardStatus(
+                initialized=model is not None,
+                digest=model.digest if model else "",
+                specs=model.placement.specs if model else (),
+                version=self.version,
+                live_workers=len(self.membership.live),
+            )
 
     def state_bytes(self) -> bytes:
         """Weights, optimizer state and version as bytes, to show a rejected request changed nothing."""

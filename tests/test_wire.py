@@ -129,9 +129,9 @@ def test_itemsize(dtype: int, size: int) -> None:
 @pytest.mark.parametrize(
     ("dtype", "expected"),
     [
-        (FLOAT32, bytes.fromhex("0000803f" "000020c0")),  # 1.0, -2.5 as little-endian IEEE float32
-        (BFLOAT16, bytes.fromhex("803f" "20c0")),  # the upper halves of those float32 words
-        (FLOAT16, bytes.fromhex("003c" "00c1")),  # IEEE half precision 0x3c00, 0xc100
+        (FLOAT32, bytes.fromhex("0000803f000020c0")),  # 1.0, -2.5 as little-endian IEEE float32
+        (BFLOAT16, bytes.fromhex("803f20c0")),  # the upper halves of those float32 words
+        (FLOAT16, bytes.fromhex("003c00c1")),  # IEEE half precision 0x3c00, 0xc100
     ],
     ids=DTYPE_IDS,
 )
@@ -212,6 +212,7 @@ def test_half_types_keep_nan_and_infinities(dtype: int) -> None:
     assert out[4] == 0.0 and np.signbit(out[4])
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 def test_fp16_overflow_becomes_infinity() -> None:
     out = _roundtrip(np.array([1e5, -1e5, 65504.0], dtype=np.float32), FLOAT16)
     assert list(out) == [np.inf, -np.inf, 65504.0]
@@ -520,7 +521,7 @@ def test_receiver_refuses_an_unknown_dtype() -> None:
 
 # --- ChunkReceiver: property test over damaged streams ------------------------------------------------------
 
-_DAMAGES = ["truncate", "flip_piece", "flip_offset", "odd_length", "duplicate"]
+_DAMAGES = ["truncate", "flip_piece", "flip_offset", "odd_length", "empty", "duplicate"]
 
 
 @st.composite
@@ -548,7 +549,10 @@ def _streams(draw: st.DrawFn) -> tuple[list[int], int, list[np.ndarray], list[Ch
             mask = draw(st.integers(1, 255)) << (8 * draw(st.integers(0, 7)))
             stream[i] = (piece, offset ^ mask, data)
         elif damage == "odd_length":
-            stream[i] = (piece, offset, data[: draw(st.integers(0, (len(data) - 2) // 2)) * 2 + 1])
+            # An odd length is no whole number of 2- or 4-byte elements (a chunk already cut to 1 byte stays so).
+            stream[i] = (piece, offset, data[: draw(st.integers(0, max(0, (len(data) - 2) // 2))) * 2 + 1])
+        elif damage == "empty":
+            stream[i] = (piece, offset, b"")
         else:  # duplicate
             stream.insert(draw(st.integers(0, len(stream))), stream[i])
         done.append(damage)
@@ -557,20 +561,21 @@ def _streams(draw: st.DrawFn) -> tuple[list[int], int, list[np.ndarray], list[Ch
     return sizes, dtype, sources, stream, done
 
 
-def _reference_receive(stream: list[Chunk], sizes: list[int], dtype: int) -> list[np.ndarray] | None:
-    """What a correct receiver yields: the filled targets, or None where it must refuse the stream."""
+def _reference_receive(stream: list[Chunk], sizes: list[int], dtype: int) -> tuple[int | None, list[np.ndarray]]:
+    """What a correct receiver does: the step that must be refused (chunk index, or len(stream) for finish;
+    None if the stream is well-formed) and the targets it fills."""
     size = itemsize(dtype)
     covered = [np.zeros(n, dtype=bool) for n in sizes]
     out = _targets(sizes)
-    for piece, offset, data in stream:
+    for step, (piece, offset, data) in enumerate(stream):
         if not 0 <= piece < len(sizes) or len(data) % size or not data:
-            return None
+            return step, out
         end = offset + len(data) // size
         if end > sizes[piece] or covered[piece][offset:end].any():
-            return None
+            return step, out
         covered[piece][offset:end] = True
         out[piece][offset:end] = _reference_decode(data, dtype)
-    return out if all(c.all() for c in covered) else None
+    return (None if all(c.all() for c in covered) else len(stream)), out
 
 
 @settings(max_examples=200, deadline=None)
@@ -581,26 +586,25 @@ def test_receiver_finishes_exactly_or_refuses_damaged_streams(
     sizes, dtype, sources, stream, done = case
     targets = _targets(sizes)
     receiver = ChunkReceiver(targets, _labels(sizes), dtype, check_finite=check_finite)
+    refused_at, step = None, 0  # step: the chunk being added, or len(stream) once at finish
     try:
         for chunk in stream:
             receiver.add(*chunk)
+            step += 1
         receiver.finish()
     except InvalidArgument as exc:  # anything else propagates and fails the test
         assert isinstance(exc, MalformedStream), f"finite values yet {type(exc).__name__}: {exc}"
-        refused = True
-    else:
-        refused = False
+        refused_at = step
 
-    expected = _reference_receive(stream, sizes, dtype)
+    must_refuse_at, expected = _reference_receive(stream, sizes, dtype)
     if not done:  # a permutation of the full stream: must be accepted and reproduce the source
-        assert expected is not None and not refused
+        assert must_refuse_at is None and refused_at is None
         for got, src in zip(targets, sources, strict=True):
             assert np.array_equal(got, src)
     if len(done) == 1:  # any single damage leaves a gap, an overlap, a bad length or a bad piece
-        assert expected is None
-    if expected is None:
-        assert refused, f"accepted a damaged stream ({done})"
-    else:
-        assert not refused, f"refused a well-formed stream ({done})"
+        assert must_refuse_at is not None
+    # A bad chunk is refused when it arrives; a gap when the stream ends ("finish" is step len(stream)).
+    assert refused_at == must_refuse_at, f"damages {done}: refused at step {refused_at}, expected {must_refuse_at}"
+    if must_refuse_at is None:
         for got, want in zip(targets, expected, strict=True):
             assert np.array_equal(got, want)

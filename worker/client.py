@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -91,7 +91,7 @@ def _tensors_of(obj: Tensors) -> tuple[list[str], list[torch.Tensor]]:
     if isinstance(obj, torch.nn.Module):
         items = list(obj.named_parameters())
     elif isinstance(obj, Mapping):
-        items = list(obj.items())
+        items = list(obj.items())  # type: ignore[arg-type]
     else:
         raise TypeError(f"expected an nn.Module or a mapping of name -> tensor, not {type(obj).__name__}")
     if not items:
@@ -127,7 +127,7 @@ class PSClient:
     ) -> None:
         self.worker_id = worker_id or uuid.uuid4().hex
         self.job_name = job_name
-        self.dtype = wire_dtype(dtype)
+        self.dtype: Any = wire_dtype(dtype)  # a ps_pb2.DType value
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
         self.rank = 0
