@@ -52,6 +52,7 @@ def itemsize(dtype: int) -> int:
 
 def encode(values: np.ndarray, dtype: int) -> bytes:
     """Return float32 `values` as wire bytes (one copy; rounding to nearest even for the half types)."""
+    dtype = wire_dtype(dtype)
     if dtype == FLOAT32:
         return values.astype("<f4", copy=False).tobytes()
     if dtype == FLOAT16:
@@ -62,6 +63,7 @@ def encode(values: np.ndarray, dtype: int) -> bytes:
 
 def decode_into(dst: np.ndarray, data: bytes | memoryview, dtype: int) -> None:
     """Write wire bytes into the float32 array `dst` (same number of elements), without a temporary array."""
+    dtype = wire_dtype(dtype)
     if dtype == FLOAT32:
         dst[:] = np.frombuffer(data, dtype="<f4")
     elif dtype == FLOAT16:
@@ -121,7 +123,7 @@ class ChunkReceiver:
             )
         n = len(data) // self._itemsize
         size = len(self._targets[piece])
-        if n == 0 or offset + n > size:
+        if n == 0 or offset < 0 or offset + n > size:
             raise MalformedStream(f"chunk of {name} covers elements [{offset}, {offset + n}), outside [0, {size})")
         starts, ends = self._starts[piece], self._ends[piece]
         i = bisect.bisect_right(starts, offset)
