@@ -43,22 +43,22 @@ class NonFiniteGradient(InvalidArgument):
     """A gradient holding NaN or Inf."""
 
 
-class ModelMismatch(PSError):
+class FailedPrecondition(PSError):
+    """The shard is not in a state where this request makes sense."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ModelMismatch(FailedPrecondition):
     """A different model (digest) than the one the shard holds."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
-
-class NotInitialized(PSError):
+class NotInitialized(FailedPrecondition):
     """A push or pull before any worker registered the model."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
-
-class WrongJob(PSError):
+class WrongJob(FailedPrecondition):
     """A worker that names another job."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class AlreadyInitialized(PSError):
@@ -67,16 +67,18 @@ class AlreadyInitialized(PSError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
-class StaleRound(PSError):
+class Aborted(PSError):
+    """The request lost a race with the job's progress; the worker should catch up and go on."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class StaleRound(Aborted):
     """A push for a round that has already closed: the worker should pull again."""
 
-    code = grpc.StatusCode.ABORTED
 
-
-class UnknownWorker(PSError):
+class UnknownWorker(Aborted):
     """A worker the shard does not know (never joined, left or was evicted): it should join again."""
-
-    code = grpc.StatusCode.ABORTED
 
 
 class PullTimeout(PSError):
@@ -103,12 +105,16 @@ class Unauthenticated(PSError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
-# Client side: the most general type for each status, so callers can `except StaleRound`.
+# The servicer names the exact error type in this trailing-metadata key, so the client raises that very type
+# (`except UnknownWorker` vs `except StaleRound`); a client in another language can rely on the status alone.
+ERROR_KEY = "ps-error"
+
+# Client side, when no type is named: the most general type for each status.
 _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.FAILED_PRECONDITION: ModelMismatch,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.ALREADY_EXISTS: AlreadyInitialized,
-    grpc.StatusCode.ABORTED: StaleRound,
+    grpc.StatusCode.ABORTED: Aborted,
     grpc.StatusCode.DEADLINE_EXCEEDED: PullTimeout,
     grpc.StatusCode.RESOURCE_EXHAUSTED: TooLarge,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
@@ -123,12 +129,26 @@ class RemoteError(PSError):
         self.code = code
 
 
+def _error_types() -> dict[str, type[PSError]]:
+    found: dict[str, type[PSError]] = {}
+    todo: list[type[PSError]] = [PSError]
+    while todo:
+        cls = todo.pop()
+        if cls is not RemoteError:
+            found[cls.__name__] = cls
+        todo.extend(cls.__subclasses__())
+    return found
+
+
 def from_rpc_error(err: grpc.RpcError, shard: str = "") -> PSError:
     """Turn a gRPC error from a shard into the matching PSError, keeping the server's message."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     detail = err.details() if hasattr(err, "details") else str(err)
     where = f"shard {shard}: " if shard else ""
-    kind = _BY_CODE.get(code)
+    named = dict(err.trailing_metadata() or ()).get(ERROR_KEY) if hasattr(err, "trailing_metadata") else None
+    kind = _error_types().get(named) if named else None
+    if kind is None or kind.code != code:
+        kind = _BY_CODE.get(code)
     if kind is None:
         return RemoteError(f"{where}{code.name}: {detail}", code)
     out = kind(f"{where}{detail}")
@@ -143,7 +163,11 @@ def rpc_errors(context: grpc.ServicerContext, rpc: str) -> Iterator[None]:
         yield
     except PSError as exc:
         log.info("%s rejected: %s: %s", rpc, exc.code.name, exc)
+        context.set_trailing_metadata(((ERROR_KEY, type(exc).__name__),))
         context.abort(exc.code, str(exc))
     except Exception as exc:  # noqa: BLE001 - the boundary: never leak a traceback to the client
-        log.exception("%s failed", rpc)
+        if not context.is_active():  # the call already ended (cancelled, or refused by gRPC itself)
+            log.debug("%s ended early: %s", rpc, exc)
+        else:
+            log.exception("%s failed", rpc)
         context.abort(grpc.StatusCode.INTERNAL, f"{rpc} failed on the server: {type(exc).__name__}: {exc}")

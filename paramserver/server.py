@@ -11,9 +11,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.config import ServerConfig
-from paramserver.service import ParameterServerServicer
+from paramserver.service import ParameterServerServicer, add_to_server
 from paramserver.shard import Shard
-from paramserver.v1 import ps_pb2, ps_pb2_grpc
+from paramserver.v1 import ps_pb2
 
 log = logging.getLogger(__name__)
 
@@ -21,9 +21,10 @@ SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
-    """Channel/server options both sides use: message limits sized for ~1 MiB chunks."""
+    """Server options: gRPC's own receive cap sits well above max_message_bytes, which the servicer enforces
+    itself on client streams (so an oversized chunk is refused before anything is applied, see ClientStream)."""
     return [
-        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", max(64 << 20, 2 * config.max_message_bytes)),
         ("grpc.max_send_message_length", config.max_message_bytes),
     ]
 
@@ -48,7 +49,7 @@ class ShardServer:
         )
         # so_reuseport off: a second server on the same port must fail, not silently share it.
         server = grpc.server(pool, options=[*grpc_options(config), ("grpc.so_reuseport", 0)])
-        ps_pb2_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(shard), server)
+        add_to_server(ParameterServerServicer(shard), server)
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         bound = server.add_insecure_port(f"{host}:{port}")

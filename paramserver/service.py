@@ -6,8 +6,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from paramserver.errors import InvalidArgument, MalformedStream, rpc_errors
+from paramserver.errors import InvalidArgument, MalformedStream, TooLarge, rpc_errors
 from paramserver.placement import SLICE_ELEMENTS, TensorSpec
 from paramserver.shard import Shard
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
@@ -16,22 +17,52 @@ from paramserver.wire import ChunkReceiver, iter_chunks, wire_dtype
 _MODES = {"sync": ps_pb2.SYNC, "async": ps_pb2.ASYNC}
 
 
-def _header(stream: Iterator[Any], kind: str) -> Any:
-    """Return the header that must open a client stream."""
-    first = next(stream, None)
-    if first is None or first.WhichOneof("kind") != "header":
-        raise MalformedStream(f"a {kind} stream must start with its header")
-    return first.header
+class ClientStream:
+    """The raw messages of a client stream (Init, Push), parsed and size-checked here rather than by gRPC.
 
+    gRPC's own refusal of a message (unparsable, or over its size limit) ends the request iterator exactly as a
+    client's normal end of stream does, so a handler could not tell a complete stream from a cut one. Parsing
+    here turns each bad message into a status of our own, raised before anything is applied.
+    """
 
-def _receive(stream: Iterator[Any], receiver: ChunkReceiver) -> None:
-    """Feed every remaining message of a client stream, all chunks, into the receiver."""
-    for msg in stream:
-        if msg.WhichOneof("kind") != "chunk":
-            raise MalformedStream("only chunks may follow the header")
-        chunk = msg.chunk
-        receiver.add(chunk.piece, chunk.offset, chunk.data)
-    receiver.finish()
+    def __init__(self, raw: Iterator[bytes], message: type[Any], limit: int, context: grpc.ServicerContext) -> None:
+        self._raw = raw
+        self._message = message
+        self._limit = limit
+        self._context = context
+        self._kind = message.DESCRIPTOR.name
+
+    def _next(self) -> Any | None:
+        data = next(self._raw, None)
+        if data is None:
+            if not self._context.is_active():
+                raise MalformedStream(f"the {self._kind} stream was cut off")
+            return None
+        if len(data) > self._limit:
+            raise TooLarge(
+                f"a {self._kind} of {len(data)} bytes is over the limit of {self._limit} "
+                f"(max_message_bytes); send chunks of about 1 MiB"
+            )
+        try:
+            return self._message.FromString(data)
+        except DecodeError as exc:
+            raise MalformedStream(f"a {self._kind} is not a valid protobuf message: {exc}") from None
+
+    def header(self) -> Any:
+        """Return the header that must open the stream."""
+        first = self._next()
+        if first is None or first.WhichOneof("kind") != "header":
+            raise MalformedStream(f"a {self._kind} stream must start with its header")
+        return first.header
+
+    def receive(self, receiver: ChunkReceiver) -> None:
+        """Feed every remaining message, all chunks, into the receiver; raise unless it ends complete."""
+        while (msg := self._next()) is not None:
+            if msg.WhichOneof("kind") != "chunk":
+                raise MalformedStream("only chunks may follow the header")
+            chunk = msg.chunk
+            receiver.add(chunk.piece, chunk.offset, chunk.data)
+        receiver.finish()
 
 
 def specs_from_proto(specs: Iterable[ps_pb2.TensorSpec]) -> list[TensorSpec]:
@@ -85,7 +116,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self, request_iterator: Iterator[ps_pb2.InitMessage], context: grpc.ServicerContext
     ) -> ps_pb2.InitResponse:
         with rpc_errors(context, "Init"):
-            header = _header(request_iterator, "Init")
+            stream = ClientStream(request_iterator, ps_pb2.InitMessage, self.shard.config.max_message_bytes, context)
+            header = stream.header()
             self.shard.check_worker(header.worker_id)
             model = self.shard.prepare_init(
                 specs_from_proto(header.specs),
@@ -95,7 +127,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             receiver = ChunkReceiver(
                 model.views(model.params.numpy()), model.labels, wire_dtype(header.dtype), check_finite=True
             )
-            _receive(request_iterator, receiver)
+            stream.receive(receiver)
             return ps_pb2.InitResponse(version=self.shard.commit_init(model))
 
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[ps_pb2.PullMessage]:
@@ -114,7 +146,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self, request_iterator: Iterator[ps_pb2.PushMessage], context: grpc.ServicerContext
     ) -> ps_pb2.PushResponse:
         with rpc_errors(context, "Push"):
-            header = _header(request_iterator, "Push")
+            stream = ClientStream(request_iterator, ps_pb2.PushMessage, self.shard.config.max_message_bytes, context)
+            header = stream.header()
             model = self.shard.require_model(header.model_digest)
             self.shard.check_worker(header.worker_id)
             with self.shard.scratch() as grad:
@@ -124,7 +157,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     wire_dtype(header.dtype),
                     check_finite=True,
                 )
-                _receive(request_iterator, receiver)
+                stream.receive(receiver)
                 version, applied = self.shard.push(
                     header.worker_id,
                     header.step,
@@ -133,3 +166,24 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     header.model_digest,
                 )
             return ps_pb2.PushResponse(version=version, applied=applied)
+
+
+def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> None:
+    """Register the servicer for every RPC of the proto; client streams arrive as raw bytes (see ClientStream)."""
+    service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+    }
+    handlers = {}
+    for method in service.methods:
+        request = getattr(ps_pb2, method.input_type.name)
+        response = getattr(ps_pb2, method.output_type.name)
+        make = kinds[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=None if method.client_streaming else request.FromString,
+            response_serializer=response.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

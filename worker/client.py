@@ -156,7 +156,11 @@ class PSClient:
         self.versions = [0] * len(self.addresses)  # what each shard's last pull returned
         self._min_next = [0] * len(self.addresses)  # the version a pull must wait for after a push
         if join:
-            self.join()
+            try:
+                self.join()
+            except BaseException:
+                self.close()
+                raise
 
     # -- membership --------------------------------------------------------------------------------------------
 
