@@ -25,7 +25,8 @@ def config_to_args(config: ServerConfig) -> list[str]:
     """Render a ServerConfig as ps-server flags (the inverse of the CLI's parsing)."""
     args = []
     for name, value in vars(config).items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
+        if value is not None:
+            args += [f"--{name.replace('_', '-')}", str(value)]
     return args
 
 

@@ -79,6 +79,22 @@ class ServerConfig:
     pull_timeout: float = config_field(60.0, "seconds a pull may wait for the version it asks for")
     max_message_bytes: int = config_field(4 * 1024 * 1024, "largest gRPC message a shard accepts (chunks are ~1 MiB)")
     max_model_bytes: int = config_field(16 * 1024**3, "largest part of a model (float32 bytes) one shard accepts")
+    lease_timeout: float = config_field(
+        10.0,
+        "seconds a worker may stay silent (no RPC, no heartbeat) before it is evicted and a sync round "
+        "stops waiting for it",
+    )
+    backup_workers: int = config_field(
+        0,
+        "sync: apply a round once all live workers but this many have pushed; the late ones are refused "
+        "(ABORTED) and counted",
+    )
+    checkpoint_dir: str | None = config_field(
+        None, "directory for this job's checkpoints; a shard restores the newest valid one at start"
+    )
+    checkpoint_every: str = config_field(
+        "100", "checkpoint every N versions ('100'), or every N seconds ('30s'); 0 = only on SIGTERM"
+    )
     max_concurrent_pushes: int = config_field(
         2, "pushes received at once per shard (each needs one gradient-sized buffer; more wait)"
     )
@@ -94,8 +110,32 @@ class ServerConfig:
             raise ValueError(f"lr must be positive, not {self.lr}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must not be negative, not {self.weight_decay}")
+        if not self.lease_timeout > 0:
+            raise ValueError(f"lease_timeout must be positive, not {self.lease_timeout}")
+        if not 0 <= self.backup_workers < self.workers:
+            raise ValueError(f"backup_workers must be in [0, workers), not {self.backup_workers}")
+        self.checkpoint_schedule()  # validates checkpoint_every
         if self.max_concurrent_pushes < 1:
             raise ValueError("max_concurrent_pushes must be at least 1")
+
+    def checkpoint_schedule(self) -> tuple[int, float]:
+        """Return (every N versions, every N seconds) from checkpoint_every; 0 means never."""
+        text = str(self.checkpoint_every).strip().lower()
+        try:
+            if text.endswith("s"):
+                seconds = float(text[:-1])
+                if seconds < 0:
+                    raise ValueError
+                return 0, seconds
+            versions = int(text)
+            if versions < 0:
+                raise ValueError
+            return versions, 0.0
+        except ValueError:
+            raise ValueError(
+                f"checkpoint_every must be a number of versions ('100') or seconds ('30s'), "
+                f"not {self.checkpoint_every!r}"
+            ) from None
 
     def replace(self, **changes: Any) -> ServerConfig:
         """Return a copy with some fields changed."""

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from paramserver.errors import InvalidArgument, StaleRound
+from paramserver.errors import StaleRound
 from paramserver.membership import Membership
 
 
@@ -37,14 +37,19 @@ class Policy(Protocol):
     def waiting_for(self, shard: Applier) -> str:
         """Say in words what the next version waits for (for timeouts and logs)."""
 
+    def in_progress(self) -> bool:
+        """Whether a round has some but not all of its gradients."""
+
 
 class SyncPolicy:
     """Bulk-synchronous: one in-place sum per round; the mean applies once every live worker has pushed.
 
-    Memory is one gradient-sized buffer whatever the number of workers.
+    With `backup_workers` B, a round applies once all live workers but B have pushed; pushes for a closed round
+    are refused. Memory is one gradient-sized buffer whatever the number of workers.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, backup_workers: int = 0) -> None:
+        self.backup_workers = backup_workers
         self._sum: torch.Tensor | None = None
         self._contributors: set[str] = set()
 
@@ -84,10 +89,18 @@ class SyncPolicy:
             )
         return f"round {shard.version} has {have} gradient(s), waiting for workers {missing}"
 
+    def in_progress(self) -> bool:
+        return bool(self._contributors)
+
     def _close_if_complete(self, shard: Applier) -> None:
-        if not self._contributors or not shard.membership.live <= self._contributors:
+        if not self._contributors:
             return
-        if not shard.membership.ever_full and len(self._contributors) < shard.membership.world_size:
+        if len(shard.membership.live - self._contributors) > self.backup_workers:
+            return
+        if (
+            not shard.membership.ever_full
+            and len(self._contributors) < shard.membership.world_size - self.backup_workers
+        ):
             return
         assert self._sum is not None
         self._sum.div_(len(self._contributors))
@@ -101,11 +114,15 @@ class AsyncPolicy:
     def reset(self, numel: int) -> None:
         pass
 
+    def in_progress(self) -> bool:
+        return False
+
     def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor) -> None:
         if base_version > shard.version:
-            raise InvalidArgument(
-                f"push computed on version {base_version}, newer than the shard's "
-                f"{shard.version}: it cannot come from this shard"
+            # Only a shard that restarted from an older checkpoint can be behind its workers: catch up first.
+            raise StaleRound(
+                f"push computed on version {base_version}, newer than the shard's {shard.version} (the shard "
+                f"restarted from a checkpoint); pull and compute the gradient again"
             )
         shard.apply(grad)
 
@@ -116,7 +133,10 @@ class AsyncPolicy:
         return f"version {shard.version + 1} comes with the next push"
 
 
-def make_policy(mode: str) -> Policy:
+def make_policy(mode: str, backup_workers: int = 0) -> Policy:
     """Return the policy object for a mode name."""
-    policies: dict[str, type[SyncPolicy] | type[AsyncPolicy]] = {"sync": SyncPolicy, "async": AsyncPolicy}
-    return policies[mode]()
+    if mode == "sync":
+        return SyncPolicy(backup_workers)
+    if mode == "async":
+        return AsyncPolicy()
+    raise ValueError(f"unknown mode {mode!r}")

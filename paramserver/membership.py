@@ -1,4 +1,4 @@
-"""Membership: which workers are in the job, their ranks, and the pushes each already had applied.
+"""Membership: which workers are in the job, their ranks and leases, and which pushes were already applied.
 
 Pure bookkeeping with no lock of its own: the Shard calls it under its lock.
 """
@@ -6,13 +6,15 @@ Pure bookkeeping with no lock of its own: the Shard calls it under its lock.
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from paramserver.errors import TooLarge, UnknownWorker
 
 # Pushes remembered per worker for exactly-once: far more than a worker ever has in flight.
 REMEMBERED_STEPS = 256
+# Workers whose applied pushes are remembered (least recently pushing forgotten first).
+REMEMBERED_WORKERS = 4096
 
 
 @dataclass
@@ -22,19 +24,45 @@ class Worker:
     worker_id: str
     rank: int
     last_seen: float
-    _steps: set[int] = field(default_factory=set)
-    _order: deque[int] = field(default_factory=deque)
 
-    def seen_step(self, step: int) -> bool:
-        """Return whether a push with this step was already taken."""
-        return step in self._steps
 
-    def record_step(self, step: int) -> None:
-        """Remember that a push with this step was taken, forgetting the oldest beyond the bound."""
-        self._steps.add(step)
-        self._order.append(step)
-        if len(self._order) > REMEMBERED_STEPS:
-            self._steps.discard(self._order.popleft())
+class AppliedLog:
+    """The (worker, step) pairs already applied, bounded per worker and in workers; outlives membership.
+
+    A worker that was evicted, or a shard that restarted from a checkpoint, must still recognise a retried push.
+    """
+
+    def __init__(self) -> None:
+        self._by_worker: OrderedDict[str, tuple[set[int], deque[int]]] = OrderedDict()
+
+    def seen(self, worker_id: str, step: int) -> bool:
+        entry = self._by_worker.get(worker_id)
+        return entry is not None and step in entry[0]
+
+    def record(self, worker_id: str, step: int) -> None:
+        entry = self._by_worker.get(worker_id)
+        if entry is None:
+            entry = self._by_worker[worker_id] = (set(), deque())
+            if len(self._by_worker) > REMEMBERED_WORKERS:
+                self._by_worker.popitem(last=False)
+        self._by_worker.move_to_end(worker_id)
+        steps, order = entry
+        steps.add(step)
+        order.append(step)
+        if len(order) > REMEMBERED_STEPS:
+            steps.discard(order.popleft())
+
+    def dump(self) -> dict[str, list[int]]:
+        """Return the log as plain data (for checkpoints)."""
+        return {w: list(order) for w, (_, order) in self._by_worker.items()}
+
+    @classmethod
+    def restore(cls, data: dict[str, list[int]]) -> AppliedLog:
+        log = cls()
+        for worker_id, steps in data.items():
+            for step in steps:
+                log.record(worker_id, step)
+        return log
 
 
 class Membership:
@@ -58,8 +86,8 @@ class Membership:
         free = [r for r in range(self.world_size) if r not in used]
         if not free:
             raise TooLarge(
-                f"the job already has its {self.world_size} workers; start the servers with a larger "
-                f"--workers to add more"
+                f"the job already has its {self.world_size} workers; start the servers with a larger --workers "
+                f"to add more, or wait for a dead worker's lease to run out"
             )
         worker = Worker(worker_id, free[0], time.monotonic())
         self._workers[worker_id] = worker
@@ -72,18 +100,30 @@ class Membership:
         return self._workers.pop(worker_id, None) is not None
 
     def get(self, worker_id: str) -> Worker:
-        """Return a live worker, renewing it, or raise UnknownWorker."""
+        """Return a live worker, renewing its lease, or raise UnknownWorker."""
         worker = self._workers.get(worker_id)
         if worker is None:
-            raise UnknownWorker(f"worker {worker_id!r} is not in the job (never joined, left or evicted); join again")
+            raise UnknownWorker(
+                f"worker {worker_id!r} is not in the job (never joined, left, evicted, or the shard restarted); "
+                f"join again"
+            )
         worker.last_seen = time.monotonic()
         return worker
 
-    def touch(self, worker_id: str) -> None:
-        """Renew a worker's lease if it is live."""
+    def touch(self, worker_id: str) -> bool:
+        """Renew a worker's lease if it is live; return whether it is."""
         worker = self._workers.get(worker_id)
         if worker is not None:
             worker.last_seen = time.monotonic()
+        return worker is not None
+
+    def evict_expired(self, lease_timeout: float, now: float | None = None) -> list[tuple[str, float]]:
+        """Remove every worker silent for longer than the lease; return (id, seconds silent) of each."""
+        now = time.monotonic() if now is None else now
+        gone = [(w.worker_id, now - w.last_seen) for w in self._workers.values() if now - w.last_seen > lease_timeout]
+        for worker_id, _ in gone:
+            del self._workers[worker_id]
+        return gone
 
     @property
     def live(self) -> set[str]:

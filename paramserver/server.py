@@ -58,22 +58,29 @@ class ShardServer:
         return cls(shard, server, bound, health_servicer)
 
     def start(self, addresses: Sequence[str]) -> None:
-        """Start serving, knowing every shard's address (this one's included)."""
+        """Restore the newest checkpoint if there is one, then serve, knowing every shard's address."""
         self.shard.addresses = tuple(addresses)
+        self.shard.restore()
+        self.shard.start()
         self._server.start()
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("shard %d of %d serving on port %d", self.shard.index, len(addresses), self.port)
 
-    def stop(self, grace: float | None = 1.0) -> None:
-        """Stop taking RPCs, let the ones in flight finish for up to `grace` seconds, and return once stopped."""
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop cleanly: let a sync round in progress close, finish the RPCs in flight, write a final checkpoint.
+
+        Each wait is bounded by `grace` seconds. Waiting pulls are answered UNAVAILABLE (clients retry).
+        """
         if self._stopped.is_set():
             return
         self._stopped.set()
         self._health.enter_graceful_shutdown()
-        self.shard.close()
+        self.shard.drain(grace)
+        self.shard.stop_waiting()
         self._server.stop(grace).wait()
-        log.info("shard %d stopped", self.shard.index)
+        self.shard.close()
+        log.info("shard %d stopped at version %d", self.shard.index, self.shard.version)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stops; return whether it did."""

@@ -105,12 +105,21 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Join(self, request: ps_pb2.JoinRequest, context: grpc.ServicerContext) -> ps_pb2.JoinResponse:
         with rpc_errors(context, "Join"):
             rank, version = self.shard.join(request.worker_id, request.job_name)
-            return ps_pb2.JoinResponse(rank=rank, world_size=self.shard.config.workers, version=version)
+            return ps_pb2.JoinResponse(
+                rank=rank,
+                world_size=self.shard.config.workers,
+                version=version,
+                lease_timeout_s=self.shard.config.lease_timeout,
+            )
 
     def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
         with rpc_errors(context, "Leave"):
             self.shard.leave(request.worker_id)
             return ps_pb2.LeaveResponse()
+
+    def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
+        with rpc_errors(context, "Heartbeat"):
+            return ps_pb2.HeartbeatResponse(version=self.shard.heartbeat(request.worker_id))
 
     def Init(
         self, request_iterator: Iterator[ps_pb2.InitMessage], context: grpc.ServicerContext

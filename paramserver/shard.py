@@ -8,15 +8,18 @@ touches the weights, the optimizer state or the version.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from paramserver import checkpoint
 from paramserver.config import ServerConfig
 from paramserver.consistency import make_policy
 from paramserver.errors import (
@@ -26,10 +29,11 @@ from paramserver.errors import (
     NotInitialized,
     PullTimeout,
     ShuttingDown,
+    StaleRound,
     TooLarge,
     WrongJob,
 )
-from paramserver.membership import Membership
+from paramserver.membership import AppliedLog, Membership
 from paramserver.placement import Piece, Placement, TensorSpec, place
 
 log = logging.getLogger(__name__)
@@ -91,6 +95,17 @@ class ShardStatus:
     specs: tuple[TensorSpec, ...]
     version: int
     live_workers: int
+    stats: ShardStats
+
+
+@dataclass
+class ShardStats:
+    """Counters of what a shard refused or dropped (for logs, metrics and tests)."""
+
+    late_pushes: int = 0  # pushes for a round that had closed (stragglers with backup workers, or slow workers)
+    duplicate_pushes: int = 0  # retried (worker, step) pairs taken once, not applied again
+    evictions: int = 0  # workers whose lease ran out
+    checkpoints: int = 0  # snapshots handed to the writer
 
 
 class BufferPool:
@@ -122,11 +137,18 @@ class Shard:
         self.addresses: tuple[str, ...] = tuple(addresses)
         self.version = 0
         self.membership = Membership(config.workers)
-        self.policy = make_policy(config.mode)
+        self.applied = AppliedLog()
+        self.policy = make_policy(config.mode, config.backup_workers)
+        self.stats = ShardStats()
         self.model: ShardModel | None = None
         self._pool: BufferPool | None = None
         self._cond = threading.Condition()
         self._closed = False
+        self._every_versions, self._every_seconds = config.checkpoint_schedule()
+        self._last_checkpoint = time.monotonic()
+        self._writer = checkpoint.CheckpointWriter(config.checkpoint_dir) if config.checkpoint_dir else None
+        self._maintenance: threading.Thread | None = None
+        self._final_written = False
 
     # -- membership --------------------------------------------------------------------------------------------
 
@@ -184,6 +206,11 @@ class Shard:
                 "client and server run incompatible placement code"
             )
         self._check_not_held(digest)
+        return self._build(placement)
+
+    def _build(self, placement: Placement) -> ShardModel:
+        """Allocate this shard's part of a placed model, with a fresh optimizer."""
+        specs = placement.specs
         pieces = placement.shards[self.index]
         numel = placement.shard_elements(self.index)
         if numel * 4 > self.config.max_model_bytes:
@@ -207,10 +234,7 @@ class Shard:
         """Adopt a fully received model, unless another Init won the race; return the version."""
         with self._cond:
             self._check_not_held(model.digest)
-            self.model = model
-            self.version = 0
-            self.policy.reset(model.numel)
-            self._pool = BufferPool(self.config.max_concurrent_pushes, model.numel)
+            self._adopt(model, version=0)
             log.info(
                 "shard %d: model %s initialised: %d pieces, %d elements",
                 self.index,
@@ -218,8 +242,52 @@ class Shard:
                 len(model.pieces),
                 model.numel,
             )
-            self._cond.notify_all()
             return self.version
+
+    def _adopt(self, model: ShardModel, version: int) -> None:
+        self.model = model
+        self.version = version
+        self.policy.reset(model.numel)
+        self._pool = BufferPool(self.config.max_concurrent_pushes, model.numel)
+        self._cond.notify_all()
+
+    def restore(self) -> bool:
+        """Adopt the newest valid checkpoint in checkpoint_dir, if any; return whether one was restored.
+
+        Call once the peer list is known (it must match the checkpoint's shard count) and before serving.
+        """
+        if not self.config.checkpoint_dir:
+            return False
+        snap = checkpoint.load_latest(self.config.checkpoint_dir, self.index)
+        if snap is None:
+            log.info("shard %d: no checkpoint in %s, starting empty", self.index, self.config.checkpoint_dir)
+            return False
+        if snap.num_shards != len(self.addresses):
+            raise ValueError(
+                f"the checkpoint in {self.config.checkpoint_dir} was written by a job of {snap.num_shards} shards, "
+                f"this one has {len(self.addresses)}; use another --checkpoint-dir"
+            )
+        if snap.optimizer != self.config.optimizer:
+            raise ValueError(
+                f"the checkpoint in {self.config.checkpoint_dir} holds {snap.optimizer} state, but this shard runs "
+                f"--optimizer {self.config.optimizer}; use the same optimizer or another --checkpoint-dir"
+            )
+        placement = place(snap.specs, snap.num_shards)
+        if placement.digest != snap.digest:
+            raise ValueError(f"the checkpoint of shard {self.index} does not match its own placement digest")
+        model = self._build(placement)
+        model.params.copy_(snap.params)
+        model.optimizer.load_state_dict(snap.optimizer_state)
+        for group in model.optimizer.param_groups:  # the flags of this run win over the saved hyperparameters
+            for key in ("lr", "weight_decay", "momentum"):
+                if key in group:
+                    group[key] = getattr(self.config, key)
+        with self._cond:
+            self._adopt(model, snap.version)
+            self.membership.ever_full = snap.ever_full
+            self.applied = AppliedLog.restore(snap.applied)
+        log.info("shard %d: restored version %d of model %s", self.index, snap.version, snap.digest[:12])
+        return True
 
     def _check_not_held(self, digest: str) -> None:
         if self.model is None:
@@ -264,12 +332,17 @@ class Shard:
             model = self.require_model(digest)
             if grad.shape != (model.numel,):
                 raise InvalidArgument(f"gradient of {grad.shape[0]} elements for a shard of {model.numel}")
-            worker = self.membership.get(worker_id)
-            if step and worker.seen_step(step):
+            self.membership.get(worker_id)
+            if step and self.applied.seen(worker_id, step):
+                self.stats.duplicate_pushes += 1
                 return self.version, False
-            self.policy.submit(self, worker_id, base_version, torch.from_numpy(grad))
+            try:
+                self.policy.submit(self, worker_id, base_version, torch.from_numpy(grad))
+            except StaleRound:
+                self.stats.late_pushes += 1
+                raise
             if step:
-                worker.record_step(step)
+                self.applied.record(worker_id, step)
             return self.version, True
 
     def apply(self, grad: torch.Tensor) -> None:
@@ -281,6 +354,9 @@ class Shard:
         model.params.grad = None
         self.version += 1
         self._cond.notify_all()
+        if self._every_versions and self.version % self._every_versions == 0:
+            # The same versions on every shard: in sync mode a set of shard checkpoints is one consistent model.
+            self._checkpoint_locked()
 
     # -- pull --------------------------------------------------------------------------------------------------
 
@@ -288,7 +364,7 @@ class Shard:
         """Wait until the shard reaches `min_version`; return (version, model)."""
         with self._cond:
             if worker_id:
-                self.membership.touch(worker_id)
+                self.membership.get(worker_id)
             self.require_model()
             reached = self._cond.wait_for(lambda: self._closed or self.version >= min_version, timeout=timeout)
             if self._closed:
@@ -301,11 +377,99 @@ class Shard:
             model = self.require_model()
             return self.version, model
 
-    def close(self) -> None:
-        """Wake every waiting pull with UNAVAILABLE: the shard is going away."""
+    def heartbeat(self, worker_id: str) -> int:
+        """Renew a worker's lease; return the version (UnknownWorker if it was evicted)."""
+        with self._cond:
+            self.membership.get(worker_id)
+            return self.version
+
+    # -- lifecycle: leases, checkpoints, shutdown ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the maintenance thread: evict silent workers, write time-based checkpoints."""
+        if self._maintenance is None:
+            self._maintenance = threading.Thread(target=self._maintain, name=f"shard{self.index}-leases", daemon=True)
+            self._maintenance.start()
+
+    def _maintain(self) -> None:
+        interval = min(1.0, self.config.lease_timeout / 4)
+        with self._cond:
+            while not self._closed:
+                self._cond.wait(interval)
+                if not self._closed:
+                    self.tick()
+
+    def tick(self, now: float | None = None) -> None:
+        """Evict workers whose lease ran out and take a checkpoint when one is due (called under the lock)."""
+        gone = self.membership.evict_expired(self.config.lease_timeout, now)
+        for worker_id, silent in gone:
+            self.stats.evictions += 1
+            log.warning(
+                "shard %d: evicted worker %s after %.1f s of silence (%d live)",
+                self.index,
+                worker_id,
+                silent,
+                len(self.membership.live),
+            )
+        if gone:
+            self.policy.membership_changed(self)
+            self._cond.notify_all()
+        if self._every_seconds and time.monotonic() - self._last_checkpoint >= self._every_seconds:
+            self._checkpoint_locked()
+
+    def _checkpoint_locked(self) -> None:
+        self._last_checkpoint = time.monotonic()
+        if self._writer is None or self.model is None:
+            return
+        self.stats.checkpoints += 1
+        self._writer.submit(self.snapshot())
+
+    def snapshot(self) -> checkpoint.Snapshot:
+        """Copy everything needed to resume (call under the lock, or on a quiet shard)."""
+        model = self.require_model()
+        state = model.optimizer.state_dict()
+        copied = {
+            "state": {
+                k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in st.items()}
+                for k, st in state["state"].items()
+            },
+            "param_groups": [dict(g) for g in state["param_groups"]],
+        }
+        return checkpoint.Snapshot(
+            shard_index=self.index,
+            num_shards=model.placement.num_shards,
+            specs=model.placement.specs,
+            digest=model.digest,
+            version=self.version,
+            optimizer=self.config.optimizer,
+            params=model.params.detach().clone(),
+            optimizer_state=copied,
+            ever_full=self.membership.ever_full,
+            applied=self.applied.dump(),
+        )
+
+    def drain(self, grace: float) -> None:
+        """Give a sync round that has some of its gradients up to `grace` seconds to close before stopping."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self.policy.in_progress(), timeout=grace)
+
+    def stop_waiting(self) -> None:
+        """Answer every waiting and every new pull with UNAVAILABLE: the shard is going away."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+    def close(self) -> None:
+        """Write a final checkpoint (once no RPC can change the state any more) and stop the background threads."""
+        self.stop_waiting()
+        with self._cond:
+            if self._writer is not None and self.model is not None and not self._final_written:
+                self._final_written = True
+                self._checkpoint_locked()
+        if self._writer is not None:
+            self._writer.close()
+        if self._maintenance is not None:
+            self._maintenance.join(timeout=5)
 
     # -- introspection -----------------------------------------------------------------------------------------
 
@@ -319,6 +483,7 @@ class Shard:
                 specs=model.placement.specs if model else (),
                 version=self.version,
                 live_workers=len(self.membership.live),
+                stats=dataclasses.replace(self.stats),
             )
 
     def state_bytes(self) -> bytes:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
@@ -19,7 +21,7 @@ import grpc
 import numpy as np
 import torch
 
-from paramserver.errors import AlreadyInitialized, ModelMismatch, PSError, from_rpc_error
+from paramserver.errors import AlreadyInitialized, ModelMismatch, PSError, UnknownWorker, from_rpc_error
 from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire import CHUNK_BYTES, ChunkReceiver, iter_chunks, wire_dtype
@@ -136,6 +138,8 @@ class PSClient:
         self._bindings: dict[int, _Binding] = {}
         self._channels: list[grpc.Channel] = []
         self._joined = False
+        self._closing = threading.Event()
+        self._heartbeat: threading.Thread | None = None
 
         entry = grpc.insecure_channel(address, options=channel_options())
         try:
@@ -167,10 +171,53 @@ class PSClient:
     def join(self) -> None:
         """Join the job on every shard (shard 0 first: its rank is the one that counts)."""
         req = ps_pb2.JoinRequest(worker_id=self.worker_id, job_name=self.job_name)
-        first = self._call(self.addresses[0], lambda: self._stubs[0].Join(req, timeout=self.timeout))
+        first = self._on_shard(0, lambda: self._stubs[0].Join(req, timeout=self.timeout), rejoin=False)
         self.rank, self.world_size = first.rank, first.world_size
-        self._each(lambda k: self._stubs[k].Join(req, timeout=self.timeout), range(1, len(self._stubs)))
+        leases = [first.lease_timeout_s]
+        leases += [
+            r.lease_timeout_s
+            for r in self._each(
+                lambda k: self._stubs[k].Join(req, timeout=self.timeout), range(1, len(self._stubs)), rejoin=False
+            )
+        ]
         self._joined = True
+        lease = min(x for x in leases if x > 0) if any(x > 0 for x in leases) else 10.0
+        if self._heartbeat is None:
+            # Renew the lease while the worker computes or waits, well within the lease timeout.
+            self._heartbeat = threading.Thread(target=self._beat, args=(lease / 3,), name="ps-heartbeat", daemon=True)
+            self._heartbeat.start()
+
+    def _beat(self, interval: float) -> None:
+        req = ps_pb2.HeartbeatRequest(worker_id=self.worker_id)
+        while not self._closing.wait(interval):
+            for k, stub in enumerate(self._stubs):
+                if not self._joined or self._closing.is_set():
+                    break
+                try:
+                    stub.Heartbeat(req, timeout=interval)
+                except grpc.RpcError as err:
+                    exc = from_rpc_error(err, self.addresses[k])
+                    if isinstance(exc, UnknownWorker):
+                        try:
+                            self._rejoin(k)
+                        except PSError as again:
+                            log.warning("re-joining shard %s failed: %s", self.addresses[k], again)
+                    else:
+                        log.debug("heartbeat to %s failed: %s", self.addresses[k], exc)
+
+    def _rejoin(self, k: int) -> None:
+        """Join shard k again after it evicted or forgot this worker; its versions start afresh."""
+        req = ps_pb2.JoinRequest(worker_id=self.worker_id, job_name=self.job_name)
+        try:
+            self._stubs[k].Join(req, timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.addresses[k]) from None
+        self._min_next[k] = 0
+        log.warning(
+            "worker %s re-joined shard %s (it had been evicted or the shard restarted)",
+            self.worker_id[:8],
+            self.addresses[k],
+        )
 
     def leave(self) -> None:
         """Leave the job on every shard; a sync round stops waiting for this worker."""
@@ -178,7 +225,7 @@ class PSClient:
             return
         self._joined = False
         req = ps_pb2.LeaveRequest(worker_id=self.worker_id)
-        self._each(lambda k: self._stubs[k].Leave(req, timeout=10.0))
+        self._each(lambda k: self._stubs[k].Leave(req, timeout=10.0), rejoin=False)
 
     # -- the model ---------------------------------------------------------------------------------------------
 
@@ -238,7 +285,7 @@ class PSClient:
                     yield ps_pb2.InitMessage(chunk=ps_pb2.Chunk(piece=piece, offset=offset, data=data))
 
             try:
-                self._call(self.addresses[k], lambda: self._stubs[k].Init(messages(), timeout=self.timeout))
+                self._on_shard(k, lambda: self._stubs[k].Init(messages(), timeout=self.timeout))
             except AlreadyInitialized:
                 pass  # another worker won the race with the same model: adopt it
 
@@ -334,10 +381,33 @@ class PSClient:
         except grpc.RpcError as err:
             raise from_rpc_error(err, address) from None
 
-    def _each(self, fn: Callable[[int], T], shards: Sequence[int] | range | None = None) -> list[T]:
-        """Run fn(k) for every shard k concurrently; raise the first failure as a PSError."""
+    def _on_shard(self, k: int, fn: Callable[[], T], rejoin: bool = True) -> T:
+        """Run fn against shard k: retry UNAVAILABLE with backoff (a shard restarting) until the timeout, and
+        join again once if the shard no longer knows this worker. Retrying a push is safe: the shard applies a
+        (worker, step) once."""
+        deadline = time.monotonic() + self.timeout
+        delay, rejoined = 0.05, False
+        while True:
+            try:
+                return self._call(self.addresses[k], fn)
+            except PSError as exc:
+                if exc.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline:
+                    log.info("shard %s unavailable (%s); retrying in %.2f s", self.addresses[k], exc, delay)
+                    time.sleep(delay)
+                    delay = min(2 * delay, 2.0)
+                    continue
+                if isinstance(exc, UnknownWorker) and rejoin and self._joined and not rejoined:
+                    self._rejoin(k)
+                    rejoined = True
+                    continue
+                raise
+
+    def _each(
+        self, fn: Callable[[int], T], shards: Sequence[int] | range | None = None, rejoin: bool = True
+    ) -> list[T]:
+        """Run fn(k) for every shard k concurrently (with retries); raise the first failure as a PSError."""
         ks = list(range(len(self._stubs)) if shards is None else shards)
-        futs = [self._pool.submit(self._call, self.addresses[k], lambda k=k: fn(k)) for k in ks]
+        futs = [self._pool.submit(self._on_shard, k, lambda k=k: fn(k), rejoin) for k in ks]
         results, error = [], None
         for f in futs:
             try:
@@ -350,6 +420,9 @@ class PSClient:
 
     def close(self) -> None:
         """Leave the job and close every channel."""
+        self._closing.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
         try:
             self.leave()
         except PSError as exc:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from paramserver.config import config_field
-from paramserver.errors import StaleRound
+from paramserver.errors import Aborted
 from worker.client import PSClient
 from worker.data import Dataset, batches, load_dataset, shard_for_rank, steps_per_epoch
 from worker.models import BUILTIN_MODELS, build_model
@@ -165,8 +165,8 @@ def train(
                     loss.backward()
                     try:
                         client.push(model)
-                    except StaleRound as exc:
-                        # The round closed without us (we were too slow or were dropped): catch up and go on.
+                    except Aborted as exc:
+                        # The round closed without us (too slow, evicted, or a shard restarted): catch up, go on.
                         stale += 1
                         log.debug("push refused: %s", exc)
                     client.pull(model)

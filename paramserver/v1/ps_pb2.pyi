@@ -102,14 +102,28 @@ class JoinRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., job_name: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("rank", "world_size", "version")
+    __slots__ = ("rank", "world_size", "version", "lease_timeout_s")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     version: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    lease_timeout_s: float
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., version: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id",)

@@ -49,6 +49,11 @@ class ParameterServerStub:
                 request_serializer=paramserver_dot_v1_dot_ps__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=paramserver_dot_v1_dot_ps__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/paramserver.v1.ParameterServer/Heartbeat',
+                request_serializer=paramserver_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=paramserver_dot_v1_dot_ps__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.Init = channel.stream_unary(
                 '/paramserver.v1.ParameterServer/Init',
                 request_serializer=paramserver_dot_v1_dot_ps__pb2.InitMessage.SerializeToString,
@@ -86,6 +91,14 @@ class ParameterServerServicer:
 
     def Leave(self, request, context):
         """Unary. Leave the job; a sync round stops waiting for this worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Unary. Renew the worker's lease while it has nothing else to say. ABORTED if the worker was evicted (join
+        again).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -132,6 +145,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=paramserver_dot_v1_dot_ps__pb2.LeaveRequest.FromString,
                     response_serializer=paramserver_dot_v1_dot_ps__pb2.LeaveResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=paramserver_dot_v1_dot_ps__pb2.HeartbeatRequest.FromString,
+                    response_serializer=paramserver_dot_v1_dot_ps__pb2.HeartbeatResponse.SerializeToString,
             ),
             'Init': grpc.stream_unary_rpc_method_handler(
                     servicer.Init,
@@ -230,6 +248,33 @@ class ParameterServer:
             '/paramserver.v1.ParameterServer/Leave',
             paramserver_dot_v1_dot_ps__pb2.LeaveRequest.SerializeToString,
             paramserver_dot_v1_dot_ps__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserver.v1.ParameterServer/Heartbeat',
+            paramserver_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+            paramserver_dot_v1_dot_ps__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
