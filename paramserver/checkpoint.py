@@ -124,7 +124,7 @@ def save(directory: str | Path, snap: Snapshot, keep: int = KEEP) -> Path:
             f.write(part)
             digest.update(part)
         for t in blobs:
-            view = t.view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
+            view = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
             f.write(view)
             digest.update(view)
         f.write(digest.digest())
@@ -254,7 +254,7 @@ class CheckpointWriter:
                     self.last_path,
                     time.monotonic() - started,
                 )
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - a failed write must never stop the writer (shards block on it)
                 self.errors += 1
                 log.error("shard %d: checkpoint at version %d failed: %s", snap.shard_index, snap.version, exc)
             finally:

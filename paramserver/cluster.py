@@ -91,46 +91,48 @@ class LocalCluster:
         for server in self.servers:
             server.start(self.addresses)
 
+    def _spawn(self, i: int, port: int) -> subprocess.Popen[str]:
+        cmd = [
+            sys.executable, "-m", "paramserver.cli", "--shard-index", str(i), "--peers-from-stdin",
+            "--host", self.host, "--port", str(port), "--log-level", self.log_level,
+            *config_to_args(self.config),
+        ]  # fmt: skip
+        # A new session: a Ctrl-C in the terminal reaches only the parent, which stops shards in order.
+        return subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True
+        )
+
     def _start_processes(self) -> None:
-        for i in range(self.num_shards):
-            cmd = [
-                sys.executable,
-                "-m",
-                "paramserver.cli",
-                "--shard-index",
-                str(i),
-                "--peers-from-stdin",
-                "--host",
-                self.host,
-                "--port",
-                str(self._port(i)),
-                "--log-level",
-                self.log_level,
-                *config_to_args(self.config),
-            ]
-            # A new session: a Ctrl-C in the terminal reaches only the parent, which stops shards in order.
-            self.procs.append(
-                subprocess.Popen(
-                    cmd,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                    bufsize=1,
-                    start_new_session=True,
-                )
-            )
+        self.procs = [self._spawn(i, self._port(i)) for i in range(self.num_shards)]
         deadline = time.monotonic() + self.start_timeout
         ports = [int(self._expect(p, PORT_LINE, deadline)) for p in self.procs]
         self.addresses = [f"{self.advertise_host}:{port}" for port in ports]
-        for proc in self.procs:
-            assert proc.stdin is not None
-            proc.stdin.write(",".join(self.addresses) + "\n")
-            proc.stdin.close()
-        for proc in self.procs:
-            self._expect(proc, READY_LINE, deadline)
-        for i, proc in enumerate(self.procs):
-            # Keep draining stdout so a chatty shard can never block on a full pipe.
-            threading.Thread(target=_drain, args=(proc,), name=f"shard{i}-stdout", daemon=True).start()
+        for i in range(self.num_shards):
+            self._serve(i, deadline)
+
+    def _serve(self, i: int, deadline: float) -> None:
+        """Tell shard process i the peer list, wait until it serves, and keep draining its output."""
+        proc = self.procs[i]
+        assert proc.stdin is not None
+        proc.stdin.write(",".join(self.addresses) + "\n")
+        proc.stdin.close()
+        self._expect(proc, READY_LINE, deadline)
+        # Keep draining stdout so a chatty shard can never block on a full pipe.
+        threading.Thread(target=_drain, args=(proc,), name=f"shard{i}-stdout", daemon=True).start()
+
+    def restart(self, index: int) -> None:
+        """Start shard process `index` again on its old port (after it died or was killed); it restores its
+        newest checkpoint when the config has a checkpoint_dir."""
+        if not self.processes:
+            raise RuntimeError("only shard processes can be restarted")
+        old = self.procs[index]
+        if old.poll() is None:
+            raise RuntimeError(f"shard {index} (pid {old.pid}) is still running; kill or stop it first")
+        port = int(self.addresses[index].rsplit(":", 1)[1])
+        self.procs[index] = self._spawn(index, port)
+        deadline = time.monotonic() + self.start_timeout
+        self._expect(self.procs[index], PORT_LINE, deadline)
+        self._serve(index, deadline)
 
     @staticmethod
     def _expect(proc: subprocess.Popen[str], tag: str, deadline: float) -> str:

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from types import TracebackType
@@ -21,7 +21,14 @@ import grpc
 import numpy as np
 import torch
 
-from paramserver.errors import AlreadyInitialized, ModelMismatch, PSError, UnknownWorker, from_rpc_error
+from paramserver.errors import (
+    AlreadyInitialized,
+    ModelMismatch,
+    NotInitialized,
+    PSError,
+    UnknownWorker,
+    from_rpc_error,
+)
 from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire import CHUNK_BYTES, ChunkReceiver, iter_chunks, wire_dtype
@@ -139,6 +146,7 @@ class PSClient:
         self._channels: list[grpc.Channel] = []
         self._joined = False
         self._closing = threading.Event()
+        self._registered: _Binding | None = None
         self._heartbeat: threading.Thread | None = None
 
         entry = grpc.insecure_channel(address, options=channel_options())
@@ -254,43 +262,45 @@ class PSClient:
     def register(self, obj: Tensors) -> int:
         """Initialise every shard from `obj`, or adopt the weights the shards already hold; return the version."""
         b = self._bind(obj)
-        digest = b.placement.digest
-        specs = [ps_pb2.TensorSpec(name=s.name, shape=s.shape) for s in b.placement.specs]
-        flats = [b.flat(i) for i in range(len(b.tensors))]
-        for i, t in enumerate(b.tensors):
-            if b.host[i] is not None:
-                b.host[i].copy_(t.detach().reshape(-1))  # type: ignore[union-attr]
-
-        def init(k: int) -> None:
-            topo = self._stubs[k].GetTopology(ps_pb2.GetTopologyRequest(), timeout=self.timeout)
-            if topo.initialized:
-                if topo.model_digest != digest:
-                    raise ModelMismatch(
-                        f"shard {self.addresses[k]} holds another model (digest "
-                        f"{topo.model_digest[:12]}, yours {digest[:12]}): different tensor names "
-                        f"or shapes; restart the servers to train a new model"
-                    )
-                return
-            header = ps_pb2.InitHeader(
-                worker_id=self.worker_id,
-                specs=specs,
-                num_shards=len(self.addresses),
-                model_digest=digest,
-                dtype=ps_pb2.FLOAT32,
-            )
-
-            def messages():  # type: ignore[no-untyped-def]
-                yield ps_pb2.InitMessage(header=header)
-                for piece, offset, data in iter_chunks(b.views(k, flats), ps_pb2.FLOAT32, self.chunk_bytes):
-                    yield ps_pb2.InitMessage(chunk=ps_pb2.Chunk(piece=piece, offset=offset, data=data))
-
-            try:
-                self._on_shard(k, lambda: self._stubs[k].Init(messages(), timeout=self.timeout))
-            except AlreadyInitialized:
-                pass  # another worker won the race with the same model: adopt it
-
-        self._each(init)
+        self._each(lambda k: self._init_shard(b, k), rejoin=True)
+        self._registered = b
         return self.pull(obj)
+
+    def _init_shard(self, b: _Binding, k: int) -> None:
+        """Send shard k its pieces of the bound model's current weights, unless it already holds the model."""
+        digest = b.placement.digest
+        topo = self._call(
+            self.addresses[k], lambda: self._stubs[k].GetTopology(ps_pb2.GetTopologyRequest(), timeout=self.timeout)
+        )
+        if topo.initialized:
+            if topo.model_digest != digest:
+                raise ModelMismatch(
+                    f"shard {self.addresses[k]} holds another model (digest {topo.model_digest[:12]}, yours "
+                    f"{digest[:12]}): different tensor names or shapes; restart the servers to train a new model"
+                )
+            return
+        for i, t in enumerate(b.tensors):
+            mirror = b.host[i]
+            if mirror is not None:
+                mirror.copy_(t.detach().reshape(-1))
+        flats = [b.flat(i) for i in range(len(b.tensors))]
+        header = ps_pb2.InitHeader(
+            worker_id=self.worker_id,
+            specs=[ps_pb2.TensorSpec(name=s.name, shape=s.shape) for s in b.placement.specs],
+            num_shards=len(self.addresses),
+            model_digest=digest,
+            dtype=ps_pb2.FLOAT32,
+        )
+
+        def messages() -> Iterator[ps_pb2.InitMessage]:
+            yield ps_pb2.InitMessage(header=header)
+            for piece, offset, data in iter_chunks(b.views(k, flats), ps_pb2.FLOAT32, self.chunk_bytes):
+                yield ps_pb2.InitMessage(chunk=ps_pb2.Chunk(piece=piece, offset=offset, data=data))
+
+        try:
+            self._call(self.addresses[k], lambda: self._stubs[k].Init(messages(), timeout=self.timeout))
+        except AlreadyInitialized:
+            pass  # another worker won the race with the same model: adopt it
 
     def pull(self, obj: Tensors) -> int:
         """Copy the shards' current weights into `obj` in place; return the lowest shard version.
@@ -386,7 +396,7 @@ class PSClient:
         join again once if the shard no longer knows this worker. Retrying a push is safe: the shard applies a
         (worker, step) once."""
         deadline = time.monotonic() + self.timeout
-        delay, rejoined = 0.05, False
+        delay, rejoined, reinitialised = 0.05, False, False
         while True:
             try:
                 return self._call(self.addresses[k], fn)
@@ -399,6 +409,16 @@ class PSClient:
                 if isinstance(exc, UnknownWorker) and rejoin and self._joined and not rejoined:
                     self._rejoin(k)
                     rejoined = True
+                    continue
+                if isinstance(exc, NotInitialized) and self._registered is not None and not reinitialised:
+                    # The shard restarted with no checkpoint: give it this worker's current weights again.
+                    log.warning(
+                        "shard %s lost the model (restarted without a checkpoint); re-initialising it",
+                        self.addresses[k],
+                    )
+                    self._init_shard(self._registered, k)
+                    self._min_next[k] = 0
+                    reinitialised = True
                     continue
                 raise
 
