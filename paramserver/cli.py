@@ -112,9 +112,16 @@ def run_one_shard(args: argparse.Namespace, config: ServerConfig) -> int:
     if args.peers_from_stdin:
         print(f"{PORT_LINE} {server.port}", flush=True)
         peers = sys.stdin.readline().strip().split(",")
-    server.start(peers)
+    try:
+        server.start(peers)
+    except ValueError as exc:  # e.g. a checkpoint of another job in --checkpoint-dir
+        log.error("%s", exc)
+        return 2
     print(f"{READY_LINE} {server.port}", flush=True)
-    stop.wait()
+    while not stop.wait(0.5):
+        if config.exit_when_done and server.shard.done.is_set():
+            log.info("shard %d: training is done; stopping", index)
+            break
     server.stop(grace=2.0)
     return 0
 
@@ -143,7 +150,10 @@ def run_local_shards(args: argparse.Namespace, config: ServerConfig) -> int:
     status = 0
     while not stop.wait(0.5):
         codes = cluster.poll()
-        failed = [(i, c) for i, c in enumerate(codes) if c is not None]
+        if all(c == 0 for c in codes):
+            log.info("every shard finished: the job is done")
+            break
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             for i, code in failed:
                 log.error("shard %d exited with status %d; stopping the others", i, code)

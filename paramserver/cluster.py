@@ -25,8 +25,11 @@ def config_to_args(config: ServerConfig) -> list[str]:
     """Render a ServerConfig as ps-server flags (the inverse of the CLI's parsing)."""
     args = []
     for name, value in vars(config).items():
-        if value is not None:
-            args += [f"--{name.replace('_', '-')}", str(value)]
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(value, bool):
+            args.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            args += [flag, str(value)]
     return args
 
 
@@ -84,9 +87,14 @@ class LocalCluster:
     def _port(self, i: int) -> int:
         return self.base_port + i if self.base_port else 0
 
+    def _shard_config(self, i: int) -> ServerConfig:
+        """Shard i's config: the job's, with its own metrics port (base + i) when metrics are on."""
+        port = self.config.metrics_port
+        return self.config if not port else self.config.replace(metrics_port=port + i)
+
     def _start_threads(self) -> None:
         for i in range(self.num_shards):
-            self.servers.append(ShardServer.create(self.config, i, self.host, self._port(i)))
+            self.servers.append(ShardServer.create(self._shard_config(i), i, self.host, self._port(i)))
         self.addresses = [f"{self.advertise_host}:{s.port}" for s in self.servers]
         for server in self.servers:
             server.start(self.addresses)
@@ -95,7 +103,7 @@ class LocalCluster:
         cmd = [
             sys.executable, "-m", "paramserver.cli", "--shard-index", str(i), "--peers-from-stdin",
             "--host", self.host, "--port", str(port), "--log-level", self.log_level,
-            *config_to_args(self.config),
+            *config_to_args(self._shard_config(i)),
         ]  # fmt: skip
         # A new session: a Ctrl-C in the terminal reaches only the parent, which stops shards in order.
         return subprocess.Popen(

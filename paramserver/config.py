@@ -95,6 +95,20 @@ class ServerConfig:
     checkpoint_every: str = config_field(
         "100", "checkpoint every N versions ('100'), or every N seconds ('30s'); 0 = only on SIGTERM"
     )
+    exit_when_done: bool = config_field(
+        False,
+        "stop the shard (final checkpoint, exit 0) once the job is done: every one of its workers "
+        "finished its training and left, and none is live",
+    )
+    tls_cert: str | None = config_field(None, "PEM certificate of this shard (TLS); needs --tls-key")
+    tls_key: str | None = config_field(None, "PEM private key of this shard")
+    tls_ca: str | None = config_field(None, "PEM CA whose client certificates are required (mutual TLS)")
+    auth_token_file: str | None = config_field(
+        None, "file holding a shared bearer token that every call but health checks must carry"
+    )
+    metrics_port: int | None = config_field(
+        None, "serve Prometheus metrics on this port (ps-server --shards N: shard i on port + i)"
+    )
     max_concurrent_pushes: int = config_field(
         2, "pushes received at once per shard (each needs one gradient-sized buffer; more wait)"
     )

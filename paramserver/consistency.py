@@ -6,6 +6,7 @@ raises before touching anything when it refuses a push, so a refused push change
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
@@ -20,8 +21,15 @@ class Applier(Protocol):
     version: int
     membership: Membership
 
-    def apply(self, grad: torch.Tensor) -> None:
-        """Run one optimizer step with this flat gradient and bump the version."""
+    def apply(
+        self,
+        grad: torch.Tensor,
+        *,
+        straggler: str | None = None,
+        waited: float | None = None,
+        staleness: int | None = None,
+    ) -> None:
+        """Run one optimizer step with this flat gradient and bump the version (with what to record about it)."""
 
 
 class Policy(Protocol):
@@ -40,6 +48,9 @@ class Policy(Protocol):
     def in_progress(self) -> bool:
         """Whether a round has some but not all of its gradients."""
 
+    def round_age(self) -> float:
+        """Seconds the open round has waited so far."""
+
 
 class SyncPolicy:
     """Bulk-synchronous: one in-place sum per round; the mean applies once every live worker has pushed.
@@ -52,6 +63,8 @@ class SyncPolicy:
         self.backup_workers = backup_workers
         self._sum: torch.Tensor | None = None
         self._contributors: set[str] = set()
+        self._last: str | None = None  # the latest contributor: the round's straggler when it closes
+        self._opened = 0.0  # when the round's first gradient arrived
 
     def reset(self, numel: int) -> None:
         self._sum = torch.empty(numel, dtype=torch.float32)
@@ -73,7 +86,9 @@ class SyncPolicy:
             self._sum.add_(grad)
         else:
             self._sum.copy_(grad)
+            self._opened = time.monotonic()
         self._contributors.add(worker_id)
+        self._last = worker_id
         self._close_if_complete(shard)
 
     def membership_changed(self, shard: Applier) -> None:
@@ -92,6 +107,10 @@ class SyncPolicy:
     def in_progress(self) -> bool:
         return bool(self._contributors)
 
+    def round_age(self) -> float:
+        """Seconds since the open round's first gradient (0 when none is open)."""
+        return time.monotonic() - self._opened if self._contributors else 0.0
+
     def _close_if_complete(self, shard: Applier) -> None:
         if not self._contributors:
             return
@@ -105,7 +124,7 @@ class SyncPolicy:
         assert self._sum is not None
         self._sum.div_(len(self._contributors))
         self._contributors = set()
-        shard.apply(self._sum)
+        shard.apply(self._sum, straggler=self._last, waited=time.monotonic() - self._opened)
 
 
 class AsyncPolicy:
@@ -117,6 +136,9 @@ class AsyncPolicy:
     def in_progress(self) -> bool:
         return False
 
+    def round_age(self) -> float:
+        return 0.0
+
     def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor) -> None:
         if base_version > shard.version:
             # Only a shard that restarted from an older checkpoint can be behind its workers: catch up first.
@@ -124,7 +146,7 @@ class AsyncPolicy:
                 f"push computed on version {base_version}, newer than the shard's {shard.version} (the shard "
                 f"restarted from a checkpoint); pull and compute the gradient again"
             )
-        shard.apply(grad)
+        shard.apply(grad, staleness=shard.version - base_version)
 
     def membership_changed(self, shard: Applier) -> None:
         pass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -157,12 +157,16 @@ def from_rpc_error(err: grpc.RpcError, shard: str = "") -> PSError:
 
 
 @contextlib.contextmanager
-def rpc_errors(context: grpc.ServicerContext, rpc: str) -> Iterator[None]:
+def rpc_errors(
+    context: grpc.ServicerContext, rpc: str, on_reject: Callable[[PSError], None] | None = None
+) -> Iterator[None]:
     """Map PSError to its status and anything unexpected to INTERNAL (logged), for one RPC."""
     try:
         yield
     except PSError as exc:
         log.info("%s rejected: %s: %s", rpc, exc.code.name, exc)
+        if on_reject is not None:
+            on_reject(exc)
         context.set_trailing_metadata(((ERROR_KEY, type(exc).__name__),))
         context.abort(exc.code, str(exc))
     except Exception as exc:  # noqa: BLE001 - the boundary: never leak a traceback to the client

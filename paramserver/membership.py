@@ -125,6 +125,11 @@ class Membership:
             del self._workers[worker_id]
         return gone
 
+    def rank_of(self, worker_id: str) -> int:
+        """The rank of a live worker, -1 for one that is gone."""
+        worker = self._workers.get(worker_id)
+        return worker.rank if worker is not None else -1
+
     @property
     def live(self) -> set[str]:
         """Ids of the live workers."""

@@ -11,6 +11,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.config import ServerConfig
+from paramserver.metrics import MetricsServer
+from paramserver.security import TokenAuth, read_token, server_credentials
 from paramserver.service import ParameterServerServicer, add_to_server
 from paramserver.shard import Shard
 from paramserver.v1 import ps_pb2
@@ -35,8 +37,10 @@ class ShardServer:
     def __init__(self, shard: Shard, server: grpc.Server, port: int, health_servicer: health.HealthServicer) -> None:
         self.shard = shard
         self.port = port
+        self.metrics_port: int | None = None
         self._server = server
         self._health = health_servicer
+        self._metrics: MetricsServer | None = None
         self._stopped = threading.Event()
 
     @classmethod
@@ -47,12 +51,17 @@ class ShardServer:
         pool = futures.ThreadPoolExecutor(
             max_workers=max(16, 4 * config.workers + 8), thread_name_prefix=f"shard{index}"
         )
+        interceptors = [TokenAuth(read_token(config.auth_token_file))] if config.auth_token_file else []
         # so_reuseport off: a second server on the same port must fail, not silently share it.
-        server = grpc.server(pool, options=[*grpc_options(config), ("grpc.so_reuseport", 0)])
+        server = grpc.server(pool, interceptors=interceptors, options=[*grpc_options(config), ("grpc.so_reuseport", 0)])
         add_to_server(ParameterServerServicer(shard), server)
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        bound = server.add_insecure_port(f"{host}:{port}")
+        credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
         if bound == 0:
             raise OSError(f"could not bind shard {index} to {host}:{port} (port in use?)")
         return cls(shard, server, bound, health_servicer)
@@ -62,6 +71,9 @@ class ShardServer:
         self.shard.addresses = tuple(addresses)
         self.shard.restore()
         self.shard.start()
+        if self.shard.config.metrics_port is not None:
+            self._metrics = MetricsServer(self.shard.metrics.registry, self.shard.config.metrics_port)
+            self.metrics_port = self._metrics.port
         self._server.start()
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -80,6 +92,8 @@ class ShardServer:
         self.shard.stop_waiting()
         self._server.stop(grace).wait()
         self.shard.close()
+        if self._metrics is not None:
+            self._metrics.stop()
         log.info("shard %d stopped at version %d", self.shard.index, self.shard.version)
 
     def wait(self, timeout: float | None = None) -> bool:

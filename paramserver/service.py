@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from paramserver.errors import InvalidArgument, MalformedStream, TooLarge, rpc_errors
+from paramserver.errors import InvalidArgument, MalformedStream, PSError, TooLarge, rpc_errors
 from paramserver.placement import SLICE_ELEMENTS, TensorSpec
 from paramserver.shard import Shard
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
@@ -31,6 +31,7 @@ class ClientStream:
         self._limit = limit
         self._context = context
         self._kind = message.DESCRIPTOR.name
+        self.bytes = 0  # raw bytes received so far
 
     def _next(self) -> Any | None:
         data = next(self._raw, None)
@@ -38,6 +39,7 @@ class ClientStream:
             if not self._context.is_active():
                 raise MalformedStream(f"the {self._kind} stream was cut off")
             return None
+        self.bytes += len(data)
         if len(data) > self._limit:
             raise TooLarge(
                 f"a {self._kind} of {len(data)} bytes is over the limit of {self._limit} "
@@ -81,8 +83,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
 
+    def _rejected(self, exc: PSError) -> None:
+        self.shard.metrics.rejected_for(type(exc).__name__)
+
     def GetTopology(self, request: ps_pb2.GetTopologyRequest, context: grpc.ServicerContext) -> ps_pb2.Topology:
-        with rpc_errors(context, "GetTopology"):
+        with rpc_errors(context, "GetTopology", self._rejected):
             c = self.shard.config
             d = self.shard.describe()
             return ps_pb2.Topology(
@@ -103,7 +108,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             )
 
     def Join(self, request: ps_pb2.JoinRequest, context: grpc.ServicerContext) -> ps_pb2.JoinResponse:
-        with rpc_errors(context, "Join"):
+        with rpc_errors(context, "Join", self._rejected):
             rank, version = self.shard.join(request.worker_id, request.job_name)
             return ps_pb2.JoinResponse(
                 rank=rank,
@@ -113,18 +118,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             )
 
     def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
-        with rpc_errors(context, "Leave"):
-            self.shard.leave(request.worker_id)
+        with rpc_errors(context, "Leave", self._rejected):
+            self.shard.leave(request.worker_id, request.finished)
             return ps_pb2.LeaveResponse()
 
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
-        with rpc_errors(context, "Heartbeat"):
+        with rpc_errors(context, "Heartbeat", self._rejected):
             return ps_pb2.HeartbeatResponse(version=self.shard.heartbeat(request.worker_id))
 
     def Init(
         self, request_iterator: Iterator[ps_pb2.InitMessage], context: grpc.ServicerContext
     ) -> ps_pb2.InitResponse:
-        with rpc_errors(context, "Init"):
+        with rpc_errors(context, "Init", self._rejected):
             stream = ClientStream(request_iterator, ps_pb2.InitMessage, self.shard.config.max_message_bytes, context)
             header = stream.header()
             self.shard.check_worker(header.worker_id)
@@ -140,7 +145,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             return ps_pb2.InitResponse(version=self.shard.commit_init(model))
 
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[ps_pb2.PullMessage]:
-        with rpc_errors(context, "Pull"):
+        with rpc_errors(context, "Pull", self._rejected):
             dtype = wire_dtype(request.dtype)
             remaining = context.time_remaining()
             timeout = (
@@ -148,13 +153,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             )
             version, model = self.shard.wait_for(request.min_version, timeout, request.worker_id)
             yield ps_pb2.PullMessage(header=ps_pb2.PullHeader(version=version, model_digest=model.digest))
+            sent = 0
             for piece, offset, data in iter_chunks(model.views(model.params.numpy()), dtype):
+                sent += len(data)
                 yield ps_pb2.PullMessage(chunk=ps_pb2.Chunk(piece=piece, offset=offset, data=data))
+            self.shard.metrics.pulls.inc()
+            self.shard.metrics.bytes_out.inc(sent)
 
     def Push(
         self, request_iterator: Iterator[ps_pb2.PushMessage], context: grpc.ServicerContext
     ) -> ps_pb2.PushResponse:
-        with rpc_errors(context, "Push"):
+        with rpc_errors(context, "Push", self._rejected):
             stream = ClientStream(request_iterator, ps_pb2.PushMessage, self.shard.config.max_message_bytes, context)
             header = stream.header()
             model = self.shard.require_model(header.model_digest)
@@ -174,6 +183,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     grad,
                     header.model_digest,
                 )
+            self.shard.metrics.bytes_in.inc(stream.bytes)
             return ps_pb2.PushResponse(version=version, applied=applied)
 
 

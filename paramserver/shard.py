@@ -34,9 +34,13 @@ from paramserver.errors import (
     WrongJob,
 )
 from paramserver.membership import AppliedLog, Membership
+from paramserver.metrics import ShardMetrics
 from paramserver.placement import Piece, Placement, TensorSpec, place
 
 log = logging.getLogger(__name__)
+
+# A sync round waiting longer than this says in the log which workers it waits for (and again as often).
+WAIT_LOG_SECONDS = 5.0
 
 
 def make_optimizer(config: ServerConfig, params: torch.Tensor) -> torch.optim.Optimizer:
@@ -149,6 +153,10 @@ class Shard:
         self._writer = checkpoint.CheckpointWriter(config.checkpoint_dir) if config.checkpoint_dir else None
         self._maintenance: threading.Thread | None = None
         self._final_written = False
+        self._last_wait_log = 0.0
+        self.finished_workers = 0
+        self.done = threading.Event()  # set once every worker of the job finished and none is live
+        self.metrics = ShardMetrics(index)
 
     # -- membership --------------------------------------------------------------------------------------------
 
@@ -170,15 +178,30 @@ class Shard:
                     len(self.membership.live),
                 )
             self.policy.membership_changed(self)
+            self.metrics.live_workers.set(len(self.membership.live))
             return worker.rank, self.version
 
-    def leave(self, worker_id: str) -> None:
-        """Remove a worker; a sync round stops waiting for it."""
+    def leave(self, worker_id: str, finished: bool = False) -> None:
+        """Remove a worker; a sync round stops waiting for it. `finished`: it completed its training."""
         with self._cond:
             if self.membership.leave(worker_id):
-                log.info("shard %d: worker %s left (%d live)", self.index, worker_id, len(self.membership.live))
-                self.policy.membership_changed(self)
-                self._cond.notify_all()
+                self.finished_workers += finished
+                log.info(
+                    "shard %d: worker %s left%s (%d live)",
+                    self.index,
+                    worker_id,
+                    " after finishing" if finished else "",
+                    len(self.membership.live),
+                )
+                self._membership_changed()
+
+    def _membership_changed(self) -> None:
+        self.policy.membership_changed(self)
+        self.metrics.live_workers.set(len(self.membership.live))
+        self._cond.notify_all()
+        if not self.membership.live and self.finished_workers >= self.config.workers and not self.done.is_set():
+            log.info("shard %d: the job is done: %d workers finished, none live", self.index, self.finished_workers)
+            self.done.set()
 
     def touch(self, worker_id: str) -> None:
         """Renew a worker's lease."""
@@ -335,6 +358,7 @@ class Shard:
             self.membership.get(worker_id)
             if step and self.applied.seen(worker_id, step):
                 self.stats.duplicate_pushes += 1
+                self.metrics.pushed("duplicate")
                 return self.version, False
             try:
                 self.policy.submit(self, worker_id, base_version, torch.from_numpy(grad))
@@ -343,17 +367,35 @@ class Shard:
                 raise
             if step:
                 self.applied.record(worker_id, step)
+            self.metrics.pushed("applied")
             return self.version, True
 
-    def apply(self, grad: torch.Tensor) -> None:
+    def apply(
+        self,
+        grad: torch.Tensor,
+        *,
+        straggler: str | None = None,
+        waited: float | None = None,
+        staleness: int | None = None,
+    ) -> None:
         """Run one optimizer step with a flat gradient; called by the policy under the lock."""
         model = self.model
         assert model is not None
+        started = time.perf_counter()
         model.params.grad = grad
         model.optimizer.step()
         model.params.grad = None
         self.version += 1
         self._cond.notify_all()
+        m = self.metrics
+        m.apply_seconds.observe(time.perf_counter() - started)
+        m.version.set(self.version)
+        if waited is not None:
+            m.round_wait.observe(waited)
+        if staleness is not None:
+            m.staleness.observe(staleness)
+        if straggler is not None:
+            m.straggler(self.membership.rank_of(straggler))
         if self._every_versions and self.version % self._every_versions == 0:
             # The same versions on every shard: in sync mode a set of shard checkpoints is one consistent model.
             self._checkpoint_locked()
@@ -404,6 +446,7 @@ class Shard:
         gone = self.membership.evict_expired(self.config.lease_timeout, now)
         for worker_id, silent in gone:
             self.stats.evictions += 1
+            self.metrics.evictions.inc()
             log.warning(
                 "shard %d: evicted worker %s after %.1f s of silence (%d live)",
                 self.index,
@@ -412,8 +455,12 @@ class Shard:
                 len(self.membership.live),
             )
         if gone:
-            self.policy.membership_changed(self)
-            self._cond.notify_all()
+            self._membership_changed()
+        waited = self.policy.round_age()
+        clock = time.monotonic()
+        if waited > WAIT_LOG_SECONDS and clock - self._last_wait_log > WAIT_LOG_SECONDS:
+            self._last_wait_log = clock
+            log.warning("shard %d: waiting %.0f s: %s", self.index, waited, self.policy.waiting_for(self))
         if self._every_seconds and time.monotonic() - self._last_checkpoint >= self._every_seconds:
             self._checkpoint_locked()
 

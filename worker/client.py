@@ -30,6 +30,7 @@ from paramserver.errors import (
     from_rpc_error,
 )
 from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
+from paramserver.security import channel_credentials, open_channel
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire import CHUNK_BYTES, ChunkReceiver, iter_chunks, wire_dtype
 
@@ -60,7 +61,7 @@ _SERVICE_CONFIG = json.dumps(
 _MODES = {ps_pb2.SYNC: "sync", ps_pb2.ASYNC: "async"}
 
 
-def channel_options(max_message_bytes: int = 4 * 1024 * 1024 + 4096) -> list[tuple[str, object]]:
+def channel_options(max_message_bytes: int = 4 * 1024 * 1024 + 4096) -> list[tuple[str, Any]]:
     """Options of every channel the client opens."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -133,8 +134,18 @@ class PSClient:
         timeout: float = 120.0,
         connect_timeout: float = 30.0,
         chunk_bytes: int = CHUNK_BYTES,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+        auth_token: str | None = None,
     ) -> None:
         self.worker_id = worker_id or uuid.uuid4().hex
+        self._credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+        self._token = auth_token
+        self._options = channel_options()
+        if tls_server_name:
+            self._options.append(("grpc.ssl_target_name_override", tls_server_name))
         self.job_name = job_name
         self.dtype: Any = wire_dtype(dtype)  # a ps_pb2.DType value
         self.timeout = timeout
@@ -149,7 +160,7 @@ class PSClient:
         self._registered: _Binding | None = None
         self._heartbeat: threading.Thread | None = None
 
-        entry = grpc.insecure_channel(address, options=channel_options())
+        entry = open_channel(address, self._options, self._credentials, self._token)
         try:
             topo = self._call(
                 address,
@@ -162,7 +173,7 @@ class PSClient:
         self.topology = topo
         self.addresses: list[str] = list(topo.shards)
         self.mode = _MODES.get(topo.job.mode, "unknown")
-        self._channels = [grpc.insecure_channel(a, options=channel_options()) for a in self.addresses]
+        self._channels = [open_channel(a, self._options, self._credentials, self._token) for a in self.addresses]
         self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
         self._pool = futures.ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps-client")
         self.versions = [0] * len(self.addresses)  # what each shard's last pull returned
@@ -227,12 +238,16 @@ class PSClient:
             self.addresses[k],
         )
 
-    def leave(self) -> None:
-        """Leave the job on every shard; a sync round stops waiting for this worker."""
+    def leave(self, finished: bool = False) -> None:
+        """Leave the job on every shard; a sync round stops waiting for this worker.
+
+        `finished=True` says the worker completed its training: once every worker of the job has, shards run
+        with exit_when_done stop by themselves.
+        """
         if not self._joined:
             return
         self._joined = False
-        req = ps_pb2.LeaveRequest(worker_id=self.worker_id)
+        req = ps_pb2.LeaveRequest(worker_id=self.worker_id, finished=finished)
         self._each(lambda k: self._stubs[k].Leave(req, timeout=10.0), rejoin=False)
 
     # -- the model ---------------------------------------------------------------------------------------------

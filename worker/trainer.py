@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from paramserver.config import config_field
 from paramserver.errors import Aborted
+from paramserver.security import read_token
 from worker.client import PSClient
 from worker.data import Dataset, batches, load_dataset, shard_for_rank, steps_per_epoch
 from worker.models import BUILTIN_MODELS, build_model
@@ -53,7 +54,17 @@ class TrainConfig:
     job_name: str = config_field("", "job to join; refused if the servers run another (default: any)")
     threads: int = config_field(1, "torch CPU threads (1 is fastest when shards and workers share the cores)")
     timeout: float = config_field(120.0, "seconds to wait for a shard before giving up on a call")
+    tls_ca: str | None = config_field(None, "PEM CA that signed the shards' certificates (enables TLS)")
+    tls_cert: str | None = config_field(None, "PEM client certificate, for shards that require mutual TLS")
+    tls_key: str | None = config_field(None, "PEM private key of the client certificate")
+    tls_server_name: str | None = config_field(
+        None, "name to expect in the shards' certificates, when it is not the address's host"
+    )
+    auth_token_file: str | None = config_field(None, "file holding the job's shared bearer token")
     metrics_out: str | None = config_field(None, "write a JSON summary of the run to this file")
+    plot: str | None = config_field(
+        None, "draw loss and test accuracy over time into this PNG (needs matplotlib: pip install 'paramserver[plot]')"
+    )
     save_model: str | None = config_field(None, "save the trained weights as a torch state_dict to this file")
     progress: bool = config_field(True, "show a progress bar")
 
@@ -122,7 +133,26 @@ def train(
     torch.manual_seed(config.seed)
     model = build_model(config.model, in_shape=data.in_shape, num_classes=data.num_classes).to(device)
 
-    with PSClient(config.server, job_name=config.job_name, dtype=config.wire_dtype, timeout=config.timeout) as client:
+    token = read_token(config.auth_token_file) if config.auth_token_file else None
+    history: dict[str, list[float]] = {
+        "time": [],
+        "step": [],
+        "loss": [],
+        "eval_time": [],
+        "eval_step": [],
+        "accuracy": [],
+    }
+    with PSClient(
+        config.server,
+        job_name=config.job_name,
+        dtype=config.wire_dtype,
+        timeout=config.timeout,
+        tls_ca=config.tls_ca,
+        tls_cert=config.tls_cert,
+        tls_key=config.tls_key,
+        tls_server_name=config.tls_server_name,
+        auth_token=token,
+    ) as client:
         client.register(model)
         x, y = shard_for_rank(data.x_train, data.y_train, client.rank, client.world_size)
         per_epoch = steps_per_epoch(len(x), config.batch_size)
@@ -178,7 +208,15 @@ def train(
                         bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
                     if on_step is not None:
                         on_step(step, loss_value)
+                    if config.plot:
+                        history["time"].append(time.perf_counter() - start)
+                        history["step"].append(step)
+                        history["loss"].append(loss_value)
                 epoch += 1
+                if config.plot:
+                    history["eval_time"].append(time.perf_counter() - start)
+                    history["eval_step"].append(step)
+                    history["accuracy"].append(evaluate(model, data.x_test, data.y_test, device))
         finally:
             if bar is not None:
                 bar.close()
@@ -203,8 +241,15 @@ def train(
             "stale_pushes": stale,
             "config": asdict(config),
         }
+        client.leave(finished=True)
     if config.save_model:
         save_state_dict(model, config.save_model)
     if config.metrics_out:
         write_json(config.metrics_out, metrics)
+    if config.plot:
+        from worker.plot import plot_history
+
+        plot_history(
+            history, config.plot, title=f"{config.model} on {data.name}, worker {metrics['rank']} ({metrics['mode']})"
+        )
     return metrics

@@ -126,10 +126,12 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "finished")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    finished: bool
+    def __init__(self, worker_id: _Optional[str] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()

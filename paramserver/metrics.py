@@ -1,0 +1,87 @@
+"""Prometheus metrics of one shard, on a registry of its own (several shards can share a process in tests).
+
+Labels stay low-cardinality: the shard index, a result or reason from a fixed set, and worker ranks (bounded by
+the job's worker count), never worker ids.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_STALENESS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128)
+
+
+class ShardMetrics:
+    """Every metric a shard exports, named paramserver_*."""
+
+    def __init__(self, shard: int, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r, s = self.registry, str(shard)
+        self.pushes = Counter("paramserver_pushes", "Pushes taken, by result", ["shard", "result"], registry=r)
+        self.pulls = Counter("paramserver_pulls", "Pulls served", ["shard"], registry=r).labels(s)
+        self.bytes_in = Counter(
+            "paramserver_received_bytes", "Tensor bytes received (push, init)", ["shard"], registry=r
+        ).labels(s)
+        self.bytes_out = Counter("paramserver_sent_bytes", "Tensor bytes sent (pull)", ["shard"], registry=r).labels(s)
+        self.apply_seconds = Histogram(
+            "paramserver_apply_seconds", "Time of one optimizer step", ["shard"], buckets=_LATENCY, registry=r
+        ).labels(s)
+        self.round_wait = Histogram(
+            "paramserver_round_wait_seconds",
+            "Sync: time from a round's first gradient to its apply",
+            ["shard"],
+            buckets=_LATENCY,
+            registry=r,
+        ).labels(s)
+        self.staleness = Histogram(
+            "paramserver_staleness",
+            "Async: versions between a gradient's base and apply",
+            ["shard"],
+            buckets=_STALENESS,
+            registry=r,
+        ).labels(s)
+        self.live_workers = Gauge("paramserver_live_workers", "Workers holding a lease", ["shard"], registry=r).labels(
+            s
+        )
+        self.version = Gauge("paramserver_version", "Updates applied", ["shard"], registry=r).labels(s)
+        self.rejected = Counter("paramserver_rejected", "Requests refused, by reason", ["shard", "reason"], registry=r)
+        self.stragglers = Counter(
+            "paramserver_straggler_rounds",
+            "Sync rounds whose last gradient came from this rank",
+            ["shard", "rank"],
+            registry=r,
+        )
+        self.last_straggler = Gauge(
+            "paramserver_last_straggler_rank",
+            "Rank of the last worker to arrive in the latest sync round",
+            ["shard"],
+            registry=r,
+        ).labels(s)
+        self.evictions = Counter(
+            "paramserver_evictions", "Workers evicted after their lease ran out", ["shard"], registry=r
+        ).labels(s)
+        self._shard = s
+
+    def pushed(self, result: str) -> None:
+        self.pushes.labels(self._shard, result).inc()
+
+    def rejected_for(self, reason: str) -> None:
+        self.rejected.labels(self._shard, reason).inc()
+
+    def straggler(self, rank: int) -> None:
+        self.stragglers.labels(self._shard, str(rank)).inc()
+        self.last_straggler.set(rank)
+
+
+class MetricsServer:
+    """/metrics over HTTP for one registry, stopped with the shard."""
+
+    def __init__(self, registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> None:
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.port = int(self._httpd.server_port)
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
