@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from paramserver import codec
 from paramserver.errors import InvalidArgument, MalformedStream, PSError, TooLarge, rpc_errors
 from paramserver.placement import SLICE_ELEMENTS, TensorSpec
 from paramserver.shard import Shard
@@ -46,24 +47,23 @@ class ClientStream:
                 f"(max_message_bytes); send chunks of about 1 MiB"
             )
         try:
-            return self._message.FromString(data)
+            return codec.decode(data, self._message)
         except DecodeError as exc:
             raise MalformedStream(f"a {self._kind} is not a valid protobuf message: {exc}") from None
 
     def header(self) -> Any:
         """Return the header that must open the stream."""
         first = self._next()
-        if first is None or first.WhichOneof("kind") != "header":
+        if first is None or isinstance(first, codec.Chunk) or first.WhichOneof("kind") != "header":
             raise MalformedStream(f"a {self._kind} stream must start with its header")
         return first.header
 
     def receive(self, receiver: ChunkReceiver) -> None:
         """Feed every remaining message, all chunks, into the receiver; raise unless it ends complete."""
         while (msg := self._next()) is not None:
-            if msg.WhichOneof("kind") != "chunk":
+            if not isinstance(msg, codec.Chunk):
                 raise MalformedStream("only chunks may follow the header")
-            chunk = msg.chunk
-            receiver.add(chunk.piece, chunk.offset, chunk.data)
+            receiver.add(msg.piece, msg.offset, msg.data)
         receiver.finish()
 
 
@@ -144,7 +144,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             stream.receive(receiver)
             return ps_pb2.InitResponse(version=self.shard.commit_init(model))
 
-    def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[ps_pb2.PullMessage]:
+    def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         with rpc_errors(context, "Pull", self._rejected):
             dtype = wire_dtype(request.dtype)
             remaining = context.time_remaining()
@@ -152,11 +152,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 self.shard.config.pull_timeout if remaining is None else min(remaining, self.shard.config.pull_timeout)
             )
             version, model = self.shard.wait_for(request.min_version, timeout, request.worker_id)
-            yield ps_pb2.PullMessage(header=ps_pb2.PullHeader(version=version, model_digest=model.digest))
+            header = ps_pb2.PullHeader(version=version, model_digest=model.digest)
+            yield ps_pb2.PullMessage(header=header).SerializeToString()
             sent = 0
             for piece, offset, data in iter_chunks(model.views(model.params.numpy()), dtype):
                 sent += len(data)
-                yield ps_pb2.PullMessage(chunk=ps_pb2.Chunk(piece=piece, offset=offset, data=data))
+                yield codec.encode_chunk(piece, offset, data)
             self.shard.metrics.pulls.inc()
             self.shard.metrics.bytes_out.inc(sent)
 
@@ -188,7 +189,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
 
 def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> None:
-    """Register the servicer for every RPC of the proto; client streams arrive as raw bytes (see ClientStream)."""
+    """Register the servicer for every RPC of the proto. Streams carry raw wire bytes both ways, encoded and
+    decoded by paramserver.codec (client streams: see ClientStream; server streams yield bytes)."""
     service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
     kinds = {
         (False, False): grpc.unary_unary_rpc_method_handler,
@@ -203,6 +205,6 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> Non
         handlers[method.name] = make(
             getattr(servicer, method.name),
             request_deserializer=None if method.client_streaming else request.FromString,
-            response_serializer=response.SerializeToString,
+            response_serializer=None if method.server_streaming else response.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

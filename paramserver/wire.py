@@ -61,6 +61,13 @@ def encode(values: np.ndarray, dtype: int) -> bytes:
     return torch.from_numpy(np.ascontiguousarray(values)).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
 
 
+def encode_view(values: np.ndarray, dtype: int) -> bytes | memoryview:
+    """Like `encode`, but float32 comes back as a byte view of `values` itself, not a copy."""
+    if wire_dtype(dtype) == FLOAT32 and values.dtype == np.dtype("<f4") and values.flags.c_contiguous:
+        return values.data.cast("B")
+    return encode(values, dtype)
+
+
 def decode_into(dst: np.ndarray, data: bytes | memoryview, dtype: int) -> None:
     """Write wire bytes into the float32 array `dst` (same number of elements), without a temporary array."""
     dtype = wire_dtype(dtype)
@@ -76,12 +83,15 @@ def decode_into(dst: np.ndarray, data: bytes | memoryview, dtype: int) -> None:
 
 def iter_chunks(
     sources: Sequence[np.ndarray], dtype: int, chunk_bytes: int = CHUNK_BYTES
-) -> Iterator[tuple[int, int, bytes]]:
-    """Yield (piece index, element offset, bytes) covering each float32 source array once, in order."""
+) -> Iterator[tuple[int, int, bytes | memoryview]]:
+    """Yield (piece index, element offset, wire bytes) covering each float32 source array once, in order.
+
+    float32 chunks are views of the sources (no copy): use each before the sources change.
+    """
     step = max(1, chunk_bytes // itemsize(dtype))
     for k, src in enumerate(sources):
         for off in range(0, len(src), step):
-            yield k, off, encode(src[off : off + step], dtype)
+            yield k, off, encode_view(src[off : off + step], dtype)
 
 
 def is_finite(values: np.ndarray) -> bool:
@@ -112,7 +122,7 @@ class ChunkReceiver:
         self._ends: list[list[int]] = [[] for _ in targets]
         self._filled = [0] * len(targets)
 
-    def add(self, piece: int, offset: int, data: bytes) -> None:
+    def add(self, piece: int, offset: int, data: bytes | memoryview) -> None:
         """Validate one chunk and write it into its piece's target."""
         if not 0 <= piece < len(self._targets):
             raise MalformedStream(f"chunk names piece {piece}, but this shard holds pieces 0..{len(self._targets) - 1}")

@@ -21,8 +21,10 @@ import grpc
 import numpy as np
 import torch
 
+from paramserver import codec
 from paramserver.errors import (
     AlreadyInitialized,
+    MalformedStream,
     ModelMismatch,
     NotInitialized,
     PSError,
@@ -69,6 +71,25 @@ def channel_options(max_message_bytes: int = 4 * 1024 * 1024 + 4096) -> list[tup
         ("grpc.enable_retries", 1),
         ("grpc.service_config", _SERVICE_CONFIG),
     ]
+
+
+_SERVICE = "/paramserver.v1.ParameterServer/"
+
+
+class _RawStreams:
+    """The streaming RPCs of one channel with raw-bytes messages on the tensor side, encoded and decoded by
+    paramserver.codec: no protobuf object ever holds a chunk's data."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.init = channel.stream_unary(
+            _SERVICE + "Init", request_serializer=None, response_deserializer=ps_pb2.InitResponse.FromString
+        )
+        self.push = channel.stream_unary(
+            _SERVICE + "Push", request_serializer=None, response_deserializer=ps_pb2.PushResponse.FromString
+        )
+        self.pull = channel.unary_stream(
+            _SERVICE + "Pull", request_serializer=ps_pb2.PullRequest.SerializeToString, response_deserializer=None
+        )
 
 
 @dataclass
@@ -175,6 +196,7 @@ class PSClient:
         self.mode = _MODES.get(topo.job.mode, "unknown")
         self._channels = [open_channel(a, self._options, self._credentials, self._token) for a in self.addresses]
         self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        self._raw = [_RawStreams(c) for c in self._channels]
         self._pool = futures.ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps-client")
         self.versions = [0] * len(self.addresses)  # what each shard's last pull returned
         self._min_next = [0] * len(self.addresses)  # the version a pull must wait for after a push
@@ -307,13 +329,13 @@ class PSClient:
             dtype=ps_pb2.FLOAT32,
         )
 
-        def messages() -> Iterator[ps_pb2.InitMessage]:
-            yield ps_pb2.InitMessage(header=header)
+        def messages() -> Iterator[bytes]:
+            yield ps_pb2.InitMessage(header=header).SerializeToString()
             for piece, offset, data in iter_chunks(b.views(k, flats), ps_pb2.FLOAT32, self.chunk_bytes):
-                yield ps_pb2.InitMessage(chunk=ps_pb2.Chunk(piece=piece, offset=offset, data=data))
+                yield codec.encode_chunk(piece, offset, data)
 
         try:
-            self._call(self.addresses[k], lambda: self._stubs[k].Init(messages(), timeout=self.timeout))
+            self._call(self.addresses[k], lambda: self._raw[k].init(messages(), timeout=self.timeout))
         except AlreadyInitialized:
             pass  # another worker won the race with the same model: adopt it
 
@@ -330,16 +352,21 @@ class PSClient:
             req = ps_pb2.PullRequest(
                 worker_id=self.worker_id if self._joined else "", min_version=self._min_next[k], dtype=dtype
             )
-            stream = self._stubs[k].Pull(req, timeout=self.timeout)
-            first = next(stream)
-            if first.WhichOneof("kind") != "header" or first.header.model_digest != b.placement.digest:
+            stream = self._raw[k].pull(req, timeout=self.timeout)
+            first = codec.decode(next(stream), ps_pb2.PullMessage)
+            if isinstance(first, codec.Chunk) or first.WhichOneof("kind") != "header":
+                raise MalformedStream(f"shard {self.addresses[k]} sent a pull stream without its header")
+            if first.header.model_digest != b.placement.digest:
                 raise ModelMismatch(
                     f"shard {self.addresses[k]} holds another model than the one being pulled "
                     f"into ({first.header.model_digest[:12]} vs {b.placement.digest[:12]})"
                 )
             receiver = ChunkReceiver(b.views(k, flats), b.labels(k), dtype)
-            for msg in stream:
-                receiver.add(msg.chunk.piece, msg.chunk.offset, msg.chunk.data)
+            for raw in stream:
+                chunk = codec.decode(raw, ps_pb2.PullMessage)
+                if not isinstance(chunk, codec.Chunk):
+                    raise MalformedStream(f"shard {self.addresses[k]} sent a second header in a pull stream")
+                receiver.add(chunk.piece, chunk.offset, chunk.data)
             receiver.finish()
             self.versions[k] = first.header.version
             return int(first.header.version)
@@ -387,12 +414,12 @@ class PSClient:
                 dtype=dtype,
             )
 
-            def messages():  # type: ignore[no-untyped-def]
-                yield ps_pb2.PushMessage(header=header)
+            def messages() -> Iterator[bytes]:
+                yield ps_pb2.PushMessage(header=header).SerializeToString()
                 for piece, offset, data in iter_chunks(b.views(k, grads), dtype, self.chunk_bytes):
-                    yield ps_pb2.PushMessage(chunk=ps_pb2.Chunk(piece=piece, offset=offset, data=data))
+                    yield codec.encode_chunk(piece, offset, data)
 
-            reply = self._stubs[k].Push(messages(), timeout=self.timeout)
+            reply = self._raw[k].push(messages(), timeout=self.timeout)
             self._min_next[k] = base + 1
             return int(reply.version)
 
