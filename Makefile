@@ -9,7 +9,7 @@ WORKERS ?= 2
 PORT ?= 50051
 DEMO_ARGS ?=
 
-.PHONY: install demo test lint proto clean
+.PHONY: install demo test lint proto clean bench deploy-check image image-test netns-test netns-clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,36 @@ lint: $(STAMP)
 ## proto: regenerate paramserver/v1 from protos/ (committed; tests check it is current)
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/paramserver/v1/ps.proto
+
+## bench: the benchmark suite against its baselines, in one run -> bench/results/latest.{json,md,png}
+bench: $(STAMP)
+	$(PY) bench/run.py $(BENCH_ARGS)
+
+## deploy-check: render the k8s overlays, validate schemas offline, checkov, tests/test_manifests.py
+deploy-check: $(STAMP)
+	bash deploy/deploy-check.sh
+
+IMAGE_TOOLS_OK = command -v podman >/dev/null && command -v buildah >/dev/null && command -v runc >/dev/null && command -v debootstrap >/dev/null
+IMAGE_TOOLS = $(IMAGE_TOOLS_OK) || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y podman buildah runc debootstrap; }
+
+## image: build the container image (deploy/Dockerfile) with podman, offline (root; see deploy/IMAGE.md)
+image: $(STAMP)
+	@$(IMAGE_TOOLS)
+	bash deploy/image/build.sh
+
+## image-test: build the image, then 2 shard + 2 worker containers train on digits (accuracy >= 0.95)
+image-test: $(STAMP)
+	@$(IMAGE_TOOLS)
+	bash deploy/image-test.sh
+
+## netns-test: multi-host tests on network namespaces (root; builds and removes its own psnt<pid>-* namespaces)
+netns-test: $(STAMP)
+	@command -v nft >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y nftables; }
+	PS_MULTIHOST=1 $(PY) -m pytest tests/test_multihost.py -v -s
+
+## netns-clean: remove namespaces and /etc/netns folders left by a crashed netns-test
+netns-clean:
+	$(PY) deploy/netns/netlab.py cleanup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

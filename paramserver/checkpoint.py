@@ -70,7 +70,9 @@ def _tensor_entries(state: dict[str, Any]) -> tuple[dict[str, Any], list[torch.T
             return {"__tensor__": len(tensors) - 1}
         if isinstance(value, dict):
             return {"__dict__": [[walk(k), walk(v)] for k, v in value.items()]}
-        if isinstance(value, list | tuple):
+        if isinstance(value, tuple):
+            return {"__tuple__": [walk(v) for v in value]}
+        if isinstance(value, list):
             return [walk(v) for v in value]
         return value
 
@@ -80,6 +82,8 @@ def _tensor_entries(state: dict[str, Any]) -> tuple[dict[str, Any], list[torch.T
 def _rebuild(doc: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(doc, dict) and "__tensor__" in doc:
         return tensors[doc["__tensor__"]]
+    if isinstance(doc, dict) and "__tuple__" in doc:
+        return tuple(_rebuild(v, tensors) for v in doc["__tuple__"])
     if isinstance(doc, dict) and "__dict__" in doc:
         return {_rebuild(k, tensors): _rebuild(v, tensors) for k, v in doc["__dict__"]}
     if isinstance(doc, list):
@@ -170,6 +174,8 @@ def load(path: str | Path) -> Snapshot:
     start = len(MAGIC) + 8
     try:
         header = json.loads(body[start : start + hlen])
+        if header.get("format") != 1:
+            raise CorruptCheckpoint(f"{path}: unknown checkpoint format {header.get('format')!r}")
         payload = memoryview(body)[start + hlen :]
         tensors = []
         for entry in header["tensors"]:
@@ -193,7 +199,7 @@ def load(path: str | Path) -> Snapshot:
         )
     except CorruptCheckpoint:
         raise
-    except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as exc:
+    except (KeyError, ValueError, TypeError, IndexError, RuntimeError, AttributeError) as exc:
         raise CorruptCheckpoint(f"{path}: malformed header or tensors: {exc}") from None
 
 

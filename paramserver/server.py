@@ -41,6 +41,7 @@ class ShardServer:
         self._server = server
         self._health = health_servicer
         self._metrics: MetricsServer | None = None
+        self._pool: futures.ThreadPoolExecutor | None = None
         self._stopped = threading.Event()
 
     @classmethod
@@ -64,7 +65,9 @@ class ShardServer:
             bound = server.add_secure_port(f"{host}:{port}", credentials)
         if bound == 0:
             raise OSError(f"could not bind shard {index} to {host}:{port} (port in use?)")
-        return cls(shard, server, bound, health_servicer)
+        instance = cls(shard, server, bound, health_servicer)
+        instance._pool = pool
+        return instance
 
     def start(self, addresses: Sequence[str]) -> None:
         """Restore the newest checkpoint if there is one, then serve, knowing every shard's address."""
@@ -94,6 +97,8 @@ class ShardServer:
         self.shard.close()
         if self._metrics is not None:
             self._metrics.stop()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
         log.info("shard %d stopped at version %d", self.shard.index, self.shard.version)
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -442,27 +442,28 @@ class Shard:
                     self.tick()
 
     def tick(self, now: float | None = None) -> None:
-        """Evict workers whose lease ran out and take a checkpoint when one is due (called under the lock)."""
-        gone = self.membership.evict_expired(self.config.lease_timeout, now)
-        for worker_id, silent in gone:
-            self.stats.evictions += 1
-            self.metrics.evictions.inc()
-            log.warning(
-                "shard %d: evicted worker %s after %.1f s of silence (%d live)",
-                self.index,
-                worker_id,
-                silent,
-                len(self.membership.live),
-            )
-        if gone:
-            self._membership_changed()
-        waited = self.policy.round_age()
-        clock = time.monotonic()
-        if waited > WAIT_LOG_SECONDS and clock - self._last_wait_log > WAIT_LOG_SECONDS:
-            self._last_wait_log = clock
-            log.warning("shard %d: waiting %.0f s: %s", self.index, waited, self.policy.waiting_for(self))
-        if self._every_seconds and time.monotonic() - self._last_checkpoint >= self._every_seconds:
-            self._checkpoint_locked()
+        """Evict workers whose lease ran out, log a long wait, take a checkpoint when one is due."""
+        with self._cond:
+            gone = self.membership.evict_expired(self.config.lease_timeout, now)
+            for worker_id, silent in gone:
+                self.stats.evictions += 1
+                self.metrics.evictions.inc()
+                log.warning(
+                    "shard %d: evicted worker %s after %.1f s of silence (%d live)",
+                    self.index,
+                    worker_id,
+                    silent,
+                    len(self.membership.live),
+                )
+            if gone:
+                self._membership_changed()
+            waited = self.policy.round_age()
+            clock = time.monotonic()
+            if waited > WAIT_LOG_SECONDS and clock - self._last_wait_log > WAIT_LOG_SECONDS:
+                self._last_wait_log = clock
+                log.warning("shard %d: waiting %.0f s: %s", self.index, waited, self.policy.waiting_for(self))
+            if self._every_seconds and time.monotonic() - self._last_checkpoint >= self._every_seconds:
+                self._checkpoint_locked()
 
     def _checkpoint_locked(self) -> None:
         self._last_checkpoint = time.monotonic()

@@ -69,6 +69,9 @@ def channel_options(max_message_bytes: int = 4 * 1024 * 1024 + 4096) -> list[tup
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.enable_retries", 1),
+        # Reconnect fast after a short outage, so heartbeats resume well within a lease.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000),
         ("grpc.service_config", _SERVICE_CONFIG),
     ]
 

@@ -1,0 +1,567 @@
+"""Checkpoints: the file format (round trip, atomic write, rotation, corruption) and shards that restore from it.
+
+The format is `b"PSCKPT01" | u64 header length | header JSON | tensor bytes | sha256`, so every test can reason
+about the bytes directly. The shard-level tests run real shards as threads (`ps_cluster_factory`) or build
+`Shard` objects directly, and compare `Shard.state_bytes()` (weights, optimizer state, version) before and after.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import json
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paramserver import checkpoint
+from paramserver.checkpoint import KEEP, MAGIC, CorruptCheckpoint, Snapshot
+from paramserver.cluster import LocalCluster
+from paramserver.config import ServerConfig
+from paramserver.placement import TensorSpec, place
+from paramserver.shard import Shard, make_optimizer
+from worker.client import PSClient
+
+pytestmark = pytest.mark.timeout(30)
+
+SPECS = (TensorSpec("fc.weight", (3, 4)), TensorSpec("fc.bias", (3,)))
+NUMEL = 15
+CLIENT_TIMEOUT = 10.0  # seconds for any client call against a local thread cluster
+SIXTEENTH = 2.0**-4  # gradients are small multiples of it, so float32 sums are exact
+
+
+# -- helpers ----------------------------------------------------------------------------------------------------
+
+
+def _trained(optimizer: str, steps: int = 3) -> tuple[torch.Tensor, torch.optim.Optimizer]:
+    """A flat parameter and the server's own optimizer for it, stepped a few times (so it has state)."""
+    gen = torch.Generator().manual_seed(0)
+    params = torch.randn(NUMEL, generator=gen)
+    opt = make_optimizer(ServerConfig(optimizer=optimizer, lr=0.05, weight_decay=0.01), params)
+    for _ in range(steps):
+        params.grad = torch.randn(NUMEL, generator=gen)
+        opt.step()
+    params.grad = None
+    return params, opt
+
+
+def _snapshot(
+    version: int = 3, *, shard_index: int = 0, num_shards: int = 1, optimizer: str = "adam", fill: float | None = None
+) -> Snapshot:
+    params, opt = _trained(optimizer)
+    if fill is not None:
+        params.fill_(fill)
+    return Snapshot(
+        shard_index=shard_index,
+        num_shards=num_shards,
+        specs=SPECS,
+        digest=place(SPECS, num_shards).digest,
+        version=version,
+        optimizer=optimizer,
+        params=params.detach().clone(),
+        optimizer_state=opt.state_dict(),
+        ever_full=True,
+        applied={"worker-a": [1, 2, 3], "worker-b": [7]},
+    )
+
+
+def _assert_same(got: Any, want: Any, where: str = "state") -> None:
+    """Deep equality: tensors bit for bit (dtype and shape too), dicts by key, sequences by element.
+
+    A tuple and a list with equal elements count as equal here (JSON has no tuples); the exact-type check is
+    `test_round_trip_keeps_tuples_in_param_groups`.
+    """
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{where}: {type(got).__name__}, not a tensor"
+        assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got.dtype}{got.shape}"
+        assert torch.equal(got, want), f"{where}: values differ"
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), f"{where}: keys {set(got)} != {set(want)}"
+        for key in want:
+            _assert_same(got[key], want[key], f"{where}[{key!r}]")
+    elif isinstance(want, list | tuple):
+        assert isinstance(got, list | tuple) and len(got) == len(want), f"{where}: {got!r} != {want!r}"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert type(got) is type(want) and got == want, f"{where}: {got!r} != {want!r}"
+
+
+def _header_length(data: bytes) -> int:
+    return struct.unpack_from("<Q", data, len(MAGIC))[0]
+
+
+def _reseal(header: dict[str, Any] | bytes, payload: bytes) -> bytes:
+    """A file with a correct checksum around any header and payload (what a buggy writer could produce)."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    body = MAGIC + struct.pack("<Q", len(raw)) + raw + payload
+    return body + hashlib.sha256(body).digest()
+
+
+def _split(data: bytes) -> tuple[dict[str, Any], bytes]:
+    """A valid file's header (parsed) and tensor bytes."""
+    start = len(MAGIC) + 8
+    hlen = _header_length(data)
+    return json.loads(data[start : start + hlen]), data[start + hlen : -32]
+
+
+# -- round trip -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "momentum", "adagrad"])
+def test_save_load_round_trip_keeps_params_and_optimizer_state(tmp_path: Path, optimizer: str) -> None:
+    snap = _snapshot(optimizer=optimizer)
+    assert snap.optimizer_state["state"], "the optimizer should hold state after a few steps"
+
+    path = checkpoint.save(tmp_path, snap)
+    loaded = checkpoint.load(path)
+
+    assert path == checkpoint.path_for(tmp_path, 0, 3)
+    assert torch.equal(loaded.params, snap.params) and loaded.params.dtype == torch.float32
+    _assert_same(loaded.optimizer_state["state"], snap.optimizer_state["state"], "state")
+    _assert_same(loaded.optimizer_state["param_groups"], snap.optimizer_state["param_groups"], "param_groups")
+    assert set(loaded.optimizer_state) == set(snap.optimizer_state)
+    for name in ("shard_index", "num_shards", "specs", "digest", "version", "optimizer", "ever_full", "applied"):
+        assert getattr(loaded, name) == getattr(snap, name), name
+
+    # The loaded state drives a fresh optimizer exactly as the original one goes on.
+    params, original = _trained(optimizer)
+    copy = params.detach().clone()
+    resumed = make_optimizer(ServerConfig(optimizer=optimizer, lr=0.05, weight_decay=0.01), copy)
+    resumed.load_state_dict(loaded.optimizer_state)
+    grad = torch.linspace(-1.0, 1.0, NUMEL)
+    for p, opt in ((params, original), (copy, resumed)):
+        p.grad = grad.clone()
+        opt.step()
+    assert torch.equal(copy, params)
+
+
+def test_round_trip_keeps_tuples_in_param_groups(tmp_path: Path) -> None:
+    snap = _snapshot(optimizer="adam")
+    assert isinstance(snap.optimizer_state["param_groups"][0]["betas"], tuple)
+
+    loaded = checkpoint.load(checkpoint.save(tmp_path, snap))
+
+    assert loaded.optimizer_state["param_groups"] == snap.optimizer_state["param_groups"]
+
+
+def test_round_trip_of_plain_sgd_without_optimizer_state(tmp_path: Path) -> None:
+    snap = _snapshot(optimizer="sgd")
+    assert snap.optimizer_state["state"] == {}
+
+    loaded = checkpoint.load(checkpoint.save(tmp_path, snap))
+
+    assert loaded.optimizer_state["state"] == {}
+    assert torch.equal(loaded.params, snap.params)
+
+
+# -- atomic write, rotation, listing ------------------------------------------------------------------------------
+
+
+def test_save_leaves_no_temporary_files_and_keeps_the_newest_two_per_shard(tmp_path: Path) -> None:
+    other = [checkpoint.save(tmp_path, _snapshot(v, shard_index=1, num_shards=2)) for v in (1, 2)]
+    other_bytes = [p.read_bytes() for p in other]
+
+    for version in (1, 2, 3, 4):
+        checkpoint.save(tmp_path, _snapshot(version, num_shards=2, fill=float(version)))
+        assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+    assert KEEP == 2
+    mine = checkpoint.list_checkpoints(tmp_path, 0)
+    assert mine == [checkpoint.path_for(tmp_path, 0, 4), checkpoint.path_for(tmp_path, 0, 3)]
+    assert [checkpoint.load(p).version for p in mine] == [4, 3]
+    assert float(checkpoint.load(mine[0]).params[0]) == 4.0
+    # The other shard's files are untouched by this shard's rotation.
+    assert checkpoint.list_checkpoints(tmp_path, 1) == other[::-1]
+    assert [p.read_bytes() for p in other] == other_bytes
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (*mine, *other))
+
+
+def test_list_checkpoints_is_newest_first_by_version_not_by_name_order_of_writes(tmp_path: Path) -> None:
+    for version in (10, 2, 300):
+        checkpoint.save(tmp_path, _snapshot(version), keep=10)
+    (tmp_path / "shard-000-v12.ckpt").write_bytes(b"not our name pattern")
+    (tmp_path / "notes.txt").write_text("ignored")
+
+    assert [checkpoint.load(p).version for p in checkpoint.list_checkpoints(tmp_path, 0)] == [300, 10, 2]
+    assert checkpoint.list_checkpoints(tmp_path, 5) == []
+    assert checkpoint.list_checkpoints(tmp_path / "missing", 0) == []
+
+
+def test_checkpoint_writer_writes_in_the_background_and_survives_a_failed_write(tmp_path: Path) -> None:
+    writer = checkpoint.CheckpointWriter(tmp_path / "ckpt")
+    try:
+        for version in (1, 2, 3):
+            writer.submit(_snapshot(version))
+        writer.flush()
+        assert writer.errors == 0
+        assert writer.last_path == checkpoint.path_for(tmp_path / "ckpt", 0, 3)
+        assert [checkpoint.load(p).version for p in checkpoint.list_checkpoints(tmp_path / "ckpt", 0)] == [3, 2]
+    finally:
+        writer.close()
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("a directory cannot be made here")
+    failing = checkpoint.CheckpointWriter(blocked)
+    try:
+        failing.submit(_snapshot(1))
+        failing.submit(_snapshot(2))
+        failing.flush()
+        assert failing.errors == 2  # both reported, and the writer kept going after the first
+    finally:
+        failing.close()
+
+
+# -- no pickle -----------------------------------------------------------------------------------------------------
+
+
+def test_file_is_magic_json_and_raw_bytes_without_pickle(tmp_path: Path) -> None:
+    snap = _snapshot()
+    data = checkpoint.save(tmp_path, snap).read_bytes()
+
+    assert data.startswith(b"PSCKPT01")
+    header, payload = _split(data)
+    assert header["version"] == 3 and header["optimizer"] == "adam"
+    assert data[-32:] == hashlib.sha256(data[:-32]).digest()
+    first = header["tensors"][0]
+    assert (first["dtype"], first["shape"], first["offset"]) == ("float32", [NUMEL], 0)
+    assert payload[: 4 * NUMEL] == snap.params.numpy().astype("<f4").tobytes()
+    assert len(payload) == sum(t["nbytes"] for t in header["tensors"])
+    # No pickle in the code (the docstring may say so): no such import or name, and no torch.save / torch.load.
+    tree = ast.parse(inspect.getsource(checkpoint))
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    calls = {
+        f"{n.value.id}.{n.attr}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+    }
+    assert not {m for m in imported | names if "pickle" in m.lower()}
+    assert not calls & {"torch.save", "torch.load", "np.load", "numpy.load"}
+
+
+# -- corruption ----------------------------------------------------------------------------------------------------
+
+
+def _flip(data: bytes, index: int, mask: int = 0x01) -> bytes:
+    return data[:index] + bytes([data[index] ^ mask]) + data[index + 1 :]
+
+
+DAMAGE: dict[str, Callable[[bytes], bytes]] = {
+    "truncated-end": lambda d: d[:-10],
+    "truncated-to-header": lambda d: d[: len(MAGIC) + 8 + 5],
+    "truncated-inside-magic": lambda d: d[:5],
+    "flipped-payload-byte": lambda d: _flip(d, len(MAGIC) + 8 + _header_length(d) + 5),
+    "flipped-header-byte": lambda d: _flip(d, len(MAGIC) + 8 + 3),
+    "flipped-length-byte": lambda d: _flip(d, len(MAGIC)),
+    "flipped-checksum-byte": lambda d: _flip(d, len(d) - 1),
+    "wrong-magic": lambda d: b"PSCKPT02" + d[len(MAGIC) :],
+    "empty": lambda d: b"",
+    "appended-byte": lambda d: d + b"\0",
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE), ids=list(DAMAGE))
+def test_damaged_file_raises_corrupt_checkpoint(tmp_path: Path, damage: str) -> None:
+    path = checkpoint.save(tmp_path, _snapshot())
+    path.write_bytes(DAMAGE[damage](path.read_bytes()))
+
+    with pytest.raises(CorruptCheckpoint) as info:
+        checkpoint.load(path)
+    assert str(path) in str(info.value)
+
+
+def _sealed_variants() -> list[Any]:
+    """Files whose checksum is right but whose header does not add up (a buggy or foreign writer)."""
+
+    def edit(change: Callable[[dict[str, Any]], None]) -> Callable[[bytes], bytes]:
+        def make(data: bytes) -> bytes:
+            header, payload = _split(data)
+            change(header)
+            return _reseal(header, payload)
+
+        return make
+
+    def overrun(h: dict[str, Any]) -> None:
+        h["tensors"][0]["nbytes"] += 4
+
+    def bad_shape(h: dict[str, Any]) -> None:
+        h["tensors"][0]["shape"] = [NUMEL + 1]
+
+    return [
+        pytest.param(lambda d: _reseal(b"{not json", _split(d)[1]), id="header-not-json"),
+        pytest.param(lambda d: _reseal(b"[1, 2]", _split(d)[1]), id="header-not-an-object"),
+        pytest.param(edit(lambda h: h.pop("version")), id="missing-key"),
+        pytest.param(edit(overrun), id="tensor-runs-past-the-end"),
+        pytest.param(edit(bad_shape), id="shape-does-not-match-bytes"),
+        pytest.param(edit(lambda h: h["tensors"][0].update(dtype="complex64")), id="unknown-dtype"),
+        pytest.param(edit(lambda h: h.update(tensors=[])), id="no-tensors"),
+        pytest.param(edit(lambda h: h.update(specs=[["w", 5]])), id="spec-shape-not-a-list"),
+        pytest.param(
+            edit(lambda h: h.update(applied=[])),
+            id="applied-not-an-object",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("make", _sealed_variants())
+def test_sealed_but_malformed_file_raises_corrupt_checkpoint(tmp_path: Path, make: Callable[[bytes], bytes]) -> None:
+    path = checkpoint.save(tmp_path, _snapshot())
+    path.write_bytes(make(path.read_bytes()))
+
+    with pytest.raises(CorruptCheckpoint):
+        checkpoint.load(path)
+
+
+def test_load_latest_skips_a_damaged_newest_file(tmp_path: Path) -> None:
+    for version in (1, 2, 3):
+        checkpoint.save(tmp_path, _snapshot(version, fill=float(version)), keep=3)
+    newest = checkpoint.path_for(tmp_path, 0, 3)
+    newest.write_bytes(_flip(newest.read_bytes(), 100))
+
+    snap = checkpoint.load_latest(tmp_path, 0)
+
+    assert snap is not None and snap.version == 2
+    assert torch.equal(snap.params, torch.full((NUMEL,), 2.0))
+
+
+def test_load_latest_skips_a_file_of_another_shard_under_this_shards_name(tmp_path: Path) -> None:
+    checkpoint.save(tmp_path, _snapshot(1, num_shards=2))
+    stray = checkpoint.save(tmp_path, _snapshot(2, shard_index=1, num_shards=2))
+    stray.rename(checkpoint.path_for(tmp_path, 0, 2))
+
+    snap = checkpoint.load_latest(tmp_path, 0)
+
+    assert snap is not None and (snap.shard_index, snap.version) == (0, 1)
+
+
+def test_load_latest_returns_none_when_every_file_is_damaged_or_none_exists(tmp_path: Path) -> None:
+    assert checkpoint.load_latest(tmp_path, 0) is None
+    assert checkpoint.load_latest(tmp_path / "never-created", 0) is None
+    for version in (1, 2):
+        path = checkpoint.save(tmp_path, _snapshot(version))
+        path.write_bytes(path.read_bytes()[:-1])
+
+    assert checkpoint.load_latest(tmp_path, 0) is None
+
+
+@pytest.fixture(scope="module")
+def valid_file(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """The bytes of one small valid checkpoint."""
+    return checkpoint.save(tmp_path_factory.mktemp("valid"), _snapshot()).read_bytes()
+
+
+@pytest.fixture(scope="module")
+def fuzz_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where each example writes its damaged file (overwritten every time)."""
+    return checkpoint.path_for(tmp_path_factory.mktemp("fuzz"), 0, 3)
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_any_single_byte_flip_or_truncation_is_detected(
+    valid_file: bytes, fuzz_path: Path, data: st.DataObject
+) -> None:
+    if data.draw(st.booleans(), label="truncate"):
+        damaged = valid_file[: data.draw(st.integers(0, len(valid_file) - 1), label="length")]
+    else:
+        index = data.draw(st.integers(0, len(valid_file) - 1), label="index")
+        damaged = _flip(valid_file, index, data.draw(st.integers(1, 255), label="xor"))
+    fuzz_path.write_bytes(damaged)
+
+    with pytest.raises(CorruptCheckpoint):  # any other exception, or a Snapshot, fails the test
+        checkpoint.load(fuzz_path)
+
+
+# -- shards: save -> restore -> equal ------------------------------------------------------------------------------
+
+
+MODEL_SHAPES = {"emb": (40, 8), "fc.weight": (8, 8), "fc.bias": (8,)}
+
+
+def _model(value: float = 0.5) -> dict[str, torch.Tensor]:
+    return {name: torch.full(shape, value) for name, shape in MODEL_SHAPES.items()}
+
+
+def _grad(step: int) -> dict[str, torch.Tensor]:
+    """A gradient of small multiples of 1/16, different per step and per element (exact in float32)."""
+    out = {}
+    for k, (name, shape) in enumerate(MODEL_SHAPES.items()):
+        n = torch.Size(shape).numel()
+        out[name] = ((torch.arange(n) % 5 + step + k) * SIXTEENTH).reshape(shape)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_shards_restore_exactly_the_state_they_stopped_with(
+    ps_cluster_factory: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    config = ServerConfig(
+        mode="sync", workers=1, optimizer="adam", lr=0.01, checkpoint_dir=str(tmp_path), checkpoint_every="0"
+    )
+    first = ps_cluster_factory(config, shards=2)
+    model = _model()
+    with PSClient(first.address, worker_id="trainer", timeout=CLIENT_TIMEOUT) as client:
+        client.register(model)
+        for step in range(1, 5):
+            client.push(_grad(step))
+            client.pull(model)
+    saved = [s.state_bytes() for s in first.shards]
+    versions = [s.describe().version for s in first.shards]
+    assert versions == [4, 4]
+    assert all(s.describe().stats.checkpoints == 0 for s in first.shards)  # checkpoint_every="0": only at stop
+
+    first.stop()
+
+    assert [s.describe().stats.checkpoints for s in first.shards] == [1, 1]
+    for index in (0, 1):
+        assert [p.name for p in checkpoint.list_checkpoints(tmp_path, index)] == [
+            checkpoint.path_for(tmp_path, index, 4).name
+        ]
+    second = ps_cluster_factory(config, shards=2)
+    assert [s.state_bytes() for s in second.shards] == saved
+    assert [s.describe().version for s in second.shards] == versions
+    # The applied-push log came back too: a retried push of the last step is recognised, not applied again.
+    with PSClient(second.address, worker_id="trainer", timeout=CLIENT_TIMEOUT) as client:
+        client.push(_grad(4), step=4)
+    assert [s.state_bytes() for s in second.shards] == saved
+    assert [s.describe().stats.duplicate_pushes for s in second.shards] == [1, 1]
+
+
+def _expected_shard_params(values: dict[str, torch.Tensor], num_shards: int, index: int) -> torch.Tensor:
+    """The flat buffer shard `index` holds for these tensor values (its pieces back to back)."""
+    specs = [TensorSpec(name, tuple(t.shape)) for name, t in values.items()]
+    pieces = place(specs, num_shards).shards[index]
+    return torch.cat([values[p.name].reshape(-1)[p.start : p.start + p.length] for p in pieces])
+
+
+def _weights_after(steps: int) -> dict[str, torch.Tensor]:
+    """SGD with lr=1 and one worker: initial weights minus the sum of the first `steps` gradients."""
+    out = _model()
+    for step in range(1, steps + 1):
+        for name, g in _grad(step).items():
+            out[name] -= g
+    return out
+
+
+def _wait_for_checkpoint(directory: Path, index: int, version: int, timeout: float = 10.0) -> Snapshot:
+    """Wait for the background writer to put a shard's checkpoint of one version in place, and load it."""
+    path = checkpoint.path_for(directory, index, version)
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no checkpoint {path.name} after {timeout} s"
+        time.sleep(0.02)
+    return checkpoint.load(path)  # the file appears by rename, complete
+
+
+@pytest.mark.timeout(60)
+def test_checkpoint_every_n_versions_gives_a_consistent_set(
+    ps_cluster_factory: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    config = ServerConfig(
+        mode="sync", workers=1, optimizer="sgd", lr=1.0, checkpoint_dir=str(tmp_path), checkpoint_every="3"
+    )
+    cluster = ps_cluster_factory(config, shards=2)
+    model = _model()
+    with PSClient(cluster.address, timeout=CLIENT_TIMEOUT) as client:
+        client.register(model)
+        for step in range(1, 8):
+            client.push(_grad(step))
+            assert client.pull(model) == step
+            if step == 3:
+                at3 = [_wait_for_checkpoint(tmp_path, index, 3) for index in (0, 1)]
+    for index, snap in enumerate(at3):
+        assert torch.equal(snap.params, _expected_shard_params(_weights_after(3), 2, index))
+
+    cluster.stop()  # writes the final checkpoint (version 7) and waits for the writer
+
+    for index in (0, 1):
+        files = checkpoint.list_checkpoints(tmp_path, index)
+        # 3 and 6 by schedule, 7 at stop; KEEP=2 leaves the newest two.
+        assert files == [checkpoint.path_for(tmp_path, index, v) for v in (7, 6)]
+        for path, version in zip(files, (7, 6), strict=True):
+            snap = checkpoint.load(path)
+            assert snap.version == version and snap.shard_index == index and snap.num_shards == 2
+            assert torch.equal(snap.params, _expected_shard_params(_weights_after(version), 2, index))
+    assert [s.describe().stats.checkpoints for s in cluster.shards] == [3, 3]
+
+
+# -- shards: restore refuses a checkpoint of another job -----------------------------------------------------------
+
+
+ADDRESSES = ("127.0.0.1:1", "127.0.0.1:2")
+
+
+def _write_shard_checkpoint(directory: Path, optimizer: str = "adam") -> bytes:
+    """Shard 0 of a 2-shard job with one applied update, saved to `directory`; return its state_bytes."""
+    shard = Shard(ServerConfig(mode="async", optimizer=optimizer, lr=0.1), 0, ADDRESSES)
+    try:
+        placement = place(SPECS, 2)
+        model = shard.prepare_init(SPECS, 2, placement.digest)
+        model.params.copy_(torch.arange(model.numel, dtype=torch.float32))
+        shard.commit_init(model)
+        shard.join("w", "")
+        grad = torch.full((model.numel,), SIXTEENTH).numpy()
+        assert shard.push("w", 1, 0, grad, placement.digest) == (1, True)
+        checkpoint.save(directory, shard.snapshot())
+        return shard.state_bytes()
+    finally:
+        shard.close()
+
+
+def _restore(directory: Path, addresses: tuple[str, ...], optimizer: str = "adam") -> Shard:
+    """A new shard 0 that restores from `directory` (the caller closes it)."""
+    return Shard(ServerConfig(mode="async", optimizer=optimizer, lr=0.1, checkpoint_dir=str(directory)), 0, addresses)
+
+
+def test_shard_restore_adopts_a_matching_checkpoint(tmp_path: Path) -> None:
+    saved = _write_shard_checkpoint(tmp_path)
+    shard = _restore(tmp_path, ADDRESSES)
+    try:
+        assert shard.restore() is True
+        assert shard.state_bytes() == saved
+        assert shard.describe().version == 1 and shard.describe().digest == place(SPECS, 2).digest
+    finally:
+        shard.close()
+
+
+def test_shard_restore_with_nothing_to_restore_starts_empty(tmp_path: Path) -> None:
+    shard = _restore(tmp_path, ADDRESSES)
+    try:
+        assert shard.restore() is False
+        assert shard.model is None and shard.version == 0
+    finally:
+        shard.close()
+
+
+@pytest.mark.parametrize(
+    ("addresses", "optimizer", "patterns"),
+    [
+        pytest.param(ADDRESSES, "sgd", ("holds adam state", "--optimizer sgd"), id="other-optimizer"),
+        pytest.param(ADDRESSES[:1], "adam", ("job of 2 shards", "this one has 1"), id="other-shard-count"),
+        pytest.param((*ADDRESSES, "127.0.0.1:3"), "adam", ("job of 2 shards", "has 3"), id="more-shards"),
+    ],
+)
+def test_shard_restore_refuses_a_checkpoint_of_another_job(
+    tmp_path: Path, addresses: tuple[str, ...], optimizer: str, patterns: tuple[str, ...]
+) -> None:
+    _write_shard_checkpoint(tmp_path)
+    shard = _restore(tmp_path, addresses, optimizer)
+    try:
+        with pytest.raises(ValueError) as info:
+            shard.restore()
+        for pattern in (*patterns, "another --checkpoint-dir", str(tmp_path)):
+            assert pattern in str(info.value)
+        assert shard.model is None and shard.version == 0
+    finally:
+        shard.close()
