@@ -249,4 +249,3 @@ def test_a_crashed_worker_does_not_end_the_job(ps_cluster_factory):
     with PSClient(cluster.address) as again:
         again.leave(finished=True)
     assert cluster.shards[0].done.is_set()
-
