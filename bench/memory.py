@@ -1,0 +1,188 @@
+"""Memory: peak RSS of each shard process while 1, 2 or 4 workers push a ~25 M-parameter model in sync mode.
+
+The shards' resident memory is sampled every 20 ms (psutil when installed, else /proc) and the kernel's own peak
+(VmHWM) is read at the end; the figure is the larger. What a shard must hold is its parameters and the optimizer's
+state; with SGD that is the parameters plus one gradient-sized buffer (the round's running sum). The reported
+overhead is (peak RSS - RSS of the same shard process idle, before any model) / (parameters + that buffer); a
+second ratio starts from the RSS of a working shard (one that holds a 64-element model and has served a few
+rounds), which leaves out what every shard pays once whatever its model.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from bench.common import MB, Child, Figure, Plan, Processes, log, schedule
+from bench.transport import dense_tensors
+
+SECTION = "memory"
+SHARDS = 2
+TIMEOUT = 600.0
+SAMPLE_S = 0.02
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process, in bytes."""
+    try:
+        import psutil
+
+        return int(psutil.Process(pid).memory_info().rss)
+    except ImportError:
+        return _status_kb(pid, "VmRSS") * 1024
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The kernel's record of the process's peak RSS (VmHWM), or 0 where /proc has none."""
+    try:
+        return _status_kb(pid, "VmHWM") * 1024
+    except OSError:
+        return 0
+
+
+def _status_kb(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/{pid}/status")
+
+
+class Sampler:
+    """Sample the RSS of some processes every 20 ms in a thread; remember each one's peak."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.peak = {pid: rss_bytes(pid) for pid in pids}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            for pid in self.pids:
+                try:
+                    self.peak[pid] = max(self.peak[pid], rss_bytes(pid))
+                except Exception:  # noqa: BLE001 - OSError, psutil.NoSuchProcess: the shard is gone
+                    pass
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _idle_rss(pids: list[int]) -> dict[int, int]:
+    """RSS of freshly started shards holding no model: the largest of a few samples 50 ms apart."""
+    idle = {pid: 0 for pid in pids}
+    for _ in range(5):
+        for pid in pids:
+            idle[pid] = max(idle[pid], rss_bytes(pid))
+        threading.Event().wait(0.05)
+    return idle
+
+
+def _push_pull(kids: list[Child], address: str, warmup: int, n: int) -> None:
+    """Have every worker register, then run warmup + n push + pull rounds together."""
+    for k in kids:
+        k.send(address=address, dtype="float32", warmup=warmup, n=n)
+    for k in kids:
+        k.expect("registered", TIMEOUT)
+    for k in kids:
+        k.send(go=True)
+    for k in kids:
+        k.expect("result", TIMEOUT)
+
+
+def _working(procs: Processes) -> dict[int, int]:
+    """RSS of shard processes that hold a 64-element model and have served a few rounds: what any working shard
+    holds whatever its model (building the first torch optimizer alone imports torch._dynamo, ~75 MB)."""
+    from paramserver import ServerConfig
+
+    kid = procs.child("transport", "worker", {"tensors": dense_tensors(64)}, name="memory-reference-worker")
+    cluster = procs.cluster(ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=0.01), SHARDS)
+    procs.settle()
+    try:
+        _push_pull([kid], cluster.address, 1, 3)
+        return {i: rss_bytes(p.pid) for i, p in enumerate(cluster.procs)}
+    finally:
+        procs.close_children([kid])
+        procs.stop_soon(cluster)
+
+
+def _case(plan: Plan, procs: Processes, workers: int, working: dict[int, int]) -> list[Figure]:
+    from paramserver import ServerConfig
+    from paramserver.placement import TensorSpec, place
+
+    tensors = dense_tensors(plan.memory_params)
+    placement = place([TensorSpec(n, (k,)) for n, k in tensors], SHARDS)
+    kids = [procs.child("transport", "worker", {"tensors": tensors}, name=f"memory-worker{r}") for r in range(workers)]
+    cluster = procs.cluster(ServerConfig(mode="sync", workers=workers, optimizer="sgd", lr=0.01), SHARDS)
+    procs.settle()
+    pids = [p.pid for p in cluster.procs]
+    try:
+        idle = _idle_rss(pids)
+        warmup, n = schedule(4 * plan.memory_params, plan.memory_rounds)
+        with Sampler(pids) as sampler:
+            _push_pull(kids, cluster.address, warmup, n)
+        peaks = {pid: max(sampler.peak[pid], peak_rss_bytes(pid)) for pid in pids}
+    finally:
+        procs.close_children(kids)
+        procs.stop_soon(cluster)
+    figures = []
+    for i, pid in enumerate(pids):
+        held = 2 * 4 * placement.shard_elements(i)  # parameters + one gradient-sized buffer (SGD)
+        params = {
+            "workers": workers,
+            "shard": i,
+            "shards": SHARDS,
+            "mode": "sync",
+            "optimizer": "sgd",
+            "parameters": plan.memory_params,
+            "shard_parameters": placement.shard_elements(i),
+            "params_plus_state_mb": round(held / MB, 3),
+            "rounds": warmup + n,
+        }
+        extra = {
+            "peak_rss_mb": round(peaks[pid] / MB, 3),
+            "idle_rss_mb": round(idle[pid] / MB, 3),
+            "working_rss_mb": round(working[i] / MB, 3),
+            "over_working": round((peaks[pid] - working[i]) / held, 3),
+        }
+        figures.append(
+            Figure(
+                f"{SECTION}.peak.w{workers}.shard{i}",
+                SECTION,
+                f"peak RSS of shard {i}, {workers} worker(s)",
+                "MB",
+                [extra["peak_rss_mb"]],
+                params,
+                extra={"idle_rss_mb": extra["idle_rss_mb"], "working_rss_mb": extra["working_rss_mb"]},
+            )
+        )
+        figures.append(
+            Figure(
+                f"{SECTION}.overhead.w{workers}.shard{i}",
+                SECTION,
+                f"(peak - idle RSS) / (parameters + optimizer state), shard {i}, {workers} worker(s)",
+                "x",
+                [round((peaks[pid] - idle[pid]) / held, 3)],
+                params,
+                extra=extra,
+            )
+        )
+    log(
+        f"memory {workers} worker(s): "
+        + ", ".join(f"shard {f.params['shard']} {f.median:.2f}x" for f in figures if f.unit == "x")
+    )
+    return figures
+
+
+def run(plan: Plan, procs: Processes) -> list[Figure]:
+    """One sync job per worker count; the figures are per shard (a peak is one number per run, not a timing)."""
+    working = _working(procs)
+    figures: list[Figure] = []
+    for workers in plan.memory_workers:
+        figures += _case(plan, procs, workers, working)
+    return figures

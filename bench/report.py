@@ -1,0 +1,404 @@
+"""Turn a results document (latest.json) into ratios, a markdown report and a plot.
+
+Works on the JSON document alone, so an old latest.json can be re-rendered. matplotlib is imported only in
+`plot`, and only there is it needed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+Doc = dict[str, Any]
+
+
+def add_ratios(doc: Doc) -> None:
+    """Give every figure `ratios`: its median divided by the median of each baseline it names, when measured."""
+    by_id = {f["id"]: f for f in doc["figures"]}
+    for f in doc["figures"]:
+        ratios = {}
+        for base in f.get("compare", []):
+            b = by_id.get(base)
+            if b and _ok(b["median"]) and _ok(f["median"]) and b["median"] > 0:
+                ratios[base] = round(f["median"] / b["median"], 4)
+        f["ratios"] = ratios
+
+
+def _ok(x: Any) -> bool:
+    return isinstance(x, int | float) and not math.isnan(x)
+
+
+def fmt(x: Any, unit: str = "") -> str:
+    """A number with about three significant digits; a dash for none."""
+    if not _ok(x):
+        return "—"
+    a = abs(x)
+    text = f"{x:.0f}" if a >= 100 else f"{x:.1f}" if a >= 10 else f"{x:.2f}" if a >= 0.1 else f"{x:.3f}"
+    return text + unit
+
+
+class _Index:
+    def __init__(self, doc: Doc) -> None:
+        self.by_id = {f["id"]: f for f in doc["figures"]}
+
+    def get(self, fid: str) -> dict[str, Any] | None:
+        return self.by_id.get(fid)
+
+    def median(self, fid: str) -> float | None:
+        f = self.by_id.get(fid)
+        return f["median"] if f else None
+
+    def ratio(self, fid: str, base: str) -> float | None:
+        f = self.by_id.get(fid)
+        return f.get("ratios", {}).get(base) if f else None
+
+    def section(self, name: str) -> list[dict[str, Any]]:
+        return [f for f in self.by_id.values() if f["section"] == name]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def markdown(doc: Doc) -> str:
+    """The report: one table per section, with ratios against the baselines of the same run."""
+    m, plan, ix = doc["machine"], doc["plan"], _Index(doc)
+    load = m.get("load_average") or []
+    lines = [
+        "# paramserver benchmarks",
+        "",
+        f"{doc['started']} · {m.get('cores')} cores ({m.get('cpu', 'cpu unknown')}) · {m.get('memory_gb', '?')} GB · "
+        f"Python {m.get('python')} · torch {m.get('torch')} · grpcio {m.get('grpc')} · "
+        f"GLIBC_TUNABLES: {m.get('glibc_tunables')} · load average at start {fmt(load[0] if load else None)} · "
+        f"{'quick run · ' if plan['quick'] else ''}suite took {fmt(doc.get('seconds'))} s",
+        "",
+        f"Every figure is the median of its repeats after a warm-up ({plan['repeats']} repeats for large payloads, "
+        f"4x for 1-50 MB, 10x below; {plan['train_repeats']} whole runs per training figure). Ratios compare with "
+        "baselines measured in this same run; compare numbers across runs or machines only with care "
+        "(shared 2-core machines vary by up to 2x between passes). MB and GB are decimal (10^6, 10^9 bytes).",
+        "",
+    ]
+    lines += _transport(ix, doc) + _baselines(ix) + _training(ix) + _memory(ix)
+    errors = {k: v["error"] for k, v in doc.get("sections", {}).items() if not v.get("ok")}
+    if errors:
+        lines += ["## Errors", ""] + [f"- **{k}**: {v}" for k, v in errors.items()] + [""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _transport(ix: _Index, doc: Doc) -> list[str]:
+    figs = [f for f in ix.section("transport") if f["id"].startswith("transport.rt.")]
+    if not figs:
+        return []
+    rows = []
+    for f in sorted(figs, key=lambda f: (f["params"]["bytes"], f["params"]["shards"], f["params"]["workers"])):
+        p = f["params"]
+        label, w = p["payload"], p["workers"]
+        key = f["id"].removeprefix("transport.rt.")
+        cells = []
+        for what, base in (("push", "up"), ("pull", "down")):
+            fid, bid = f"transport.{what}.{key}", f"baselines.tcp.{base}.{label}"
+            r = ix.ratio(fid, bid)
+            cells.append(fmt(ix.median(fid)) + (f" ({r:.0%} of TCP)" if r is not None else ""))
+        rows.append(
+            [
+                label,
+                str(p["shards"]),
+                str(w),
+                p["wire"],
+                fmt(f["median"]),
+                *cells,
+                fmt(ix.ratio(f["id"], f"baselines.tcp.rt.{label}"), "x"),
+                fmt(ix.ratio(f["id"], f"baselines.rpc.rt.{label}.w{w}"), "x"),
+                fmt(ix.ratio(f["id"], f"baselines.gloo.{label}"), "x"),
+            ]
+        )
+    header = [
+        "payload",
+        "shards",
+        "workers",
+        "wire",
+        "push+pull ms",
+        "push GB/s",
+        "pull GB/s",
+        "÷ raw TCP round trip",
+        "÷ torch rpc PS",
+        "÷ gloo all_reduce",
+    ]
+    return [
+        "## Transport: one push + pull of a dense float32 model (sync mode, SGD on the shards)",
+        "",
+        "Shards are processes (`LocalCluster(processes=True)`); every worker is a process. The model is 4 equal "
+        "tensors (at 100 MB each is sliced across the shards; at 4 MB each is placed whole); 340KB is the digits "
+        "MLP. Push and pull GB/s (float32 model bytes, even on the bf16 wire) are timed separately with 1 worker; "
+        "a push returns once the shards have applied the SGD step. "
+        "Ratios divide our time by the baseline's (above 1 = slower than the baseline); with 2 workers each round "
+        "waits for both.",
+        "",
+        *_table(header, rows),
+        "",
+    ]
+
+
+def _baselines(ix: _Index) -> list[str]:
+    figs = ix.section("baselines")
+    if not figs:
+        return []
+    rows = []
+    for f in sorted(figs, key=lambda f: (f["id"].split(".")[1], f["params"]["bytes"], f["params"].get("workers", 0))):
+        kind, p = f["id"].split(".")[1], f["params"]
+        label = p["payload"]
+        if kind == "tcp" and f["id"].startswith("baselines.tcp.rt."):
+            rows.append(
+                [
+                    "raw TCP, 2 processes",
+                    label,
+                    "1",
+                    fmt(f["median"]),
+                    fmt(ix.median(f"baselines.tcp.up.{label}")),
+                    fmt(ix.median(f"baselines.tcp.down.{label}")),
+                ]
+            )
+        elif kind == "gloo":
+            rows.append(["gloo all_reduce, 2 processes", label, "2", fmt(f["median"]), "", ""])
+        elif kind == "rpc":
+            rows.append(["torch.distributed.rpc PS (TCP)", label, str(p["workers"]), fmt(f["median"]), "", ""])
+    return [
+        "## Baselines, same run, same machine (127.0.0.1)",
+        "",
+        "Raw TCP: send N bytes (the server answers one byte when it has them), then receive N bytes into a "
+        "preallocated buffer. gloo: one all_reduce of the tensor, what DDP pays per step. rpc PS: a server process "
+        "applies SGD to each pushed gradient; workers `rpc_sync` a push, then a pull that returns the tensor.",
+        "",
+        *_table(["baseline", "payload", "workers", "ms", "send GB/s", "receive GB/s"], rows),
+        "",
+    ]
+
+
+def _training(ix: _Index) -> list[str]:
+    figs = [f for f in ix.section("training") if f["id"].startswith("training.sps.")]
+    lines: list[str] = []
+    if figs:
+        rows = []
+        for f in figs:
+            p = f["params"]
+            local = f"training.sps.{f['id'].split('.')[2]}.{p['dataset']}.local"
+            r = ix.ratio(f["id"], local) if p["mode"] != "local" else 1.0
+            length = f"{p['epochs']} epochs" if p.get("epochs") else f"{p.get('steps')} steps"
+            acc = f.get("extra", {}).get("test_accuracy") or []
+            rows.append(
+                [
+                    p["model"],
+                    f"{p.get('parameters', 0):,}",
+                    p["dataset"],
+                    length,
+                    str(p["workers"]),
+                    p["mode"],
+                    fmt(f["median"]),
+                    fmt(r, "x"),
+                    fmt(sorted(acc)[len(acc) // 2] if acc else None),
+                ]
+            )
+        header = ["model", "parameters", "data", "length", "workers", "mode", "samples/s", "× local", "test accuracy"]
+        lines += [
+            "## Training (2 shard processes, Adam lr 1e-3 on the shards; batch 32 per worker; 1 torch thread)",
+            "",
+            "samples/s is the sum over the workers. Local: the same model, data pipeline and batch size in one "
+            "process with torch.optim.Adam. The 25 M-parameter MLP trains on synthetic data (64 features).",
+            "",
+            *_table(header, rows),
+            "",
+        ]
+    tta = [f for f in ix.section("training") if f["id"].startswith("training.tta.") and f["params"]["mode"] != "local"]
+    for f in tta:
+        p, extra = f["params"], f.get("extra", {})
+        local_id = f["compare"][0] if f["compare"] else ""
+        local = ix.get(local_id)
+        reached = extra.get("reached")
+        tried = ", ".join(
+            f"{t['epochs']} epochs: {t['test_accuracy']:.3f} in {t['seconds']:.1f} s" for t in extra["tried"]
+        )
+        local_epochs = (local or {}).get("extra", {}).get("epochs") or []
+        rows = [
+            [
+                f"{p['workers']} workers, {p['mode']}",
+                str(reached["epochs"]) if reached else f"not within {extra['tried'][-1]['epochs']}",
+                fmt(f["median"]),
+                fmt(ix.ratio(f["id"], local_id), "x"),
+            ],
+            [
+                "local",
+                str(local_epochs[0]) if local_epochs else "not reached",
+                fmt(local["median"] if local else None),
+                "",
+            ],
+        ]
+        lines += [
+            f"### Time to {p['target']} test accuracy, {p['model']} on digits",
+            "",
+            f"Runs of growing length (fresh shards each), the first to reach the target counts: {tried}. "
+            "Seconds are training time (after register, before evaluation); local evaluates after every epoch.",
+            "",
+            *_table(["setup", "epochs", "seconds", "× local"], rows),
+            "",
+        ]
+    return lines
+
+
+def _memory(ix: _Index) -> list[str]:
+    figs = [f for f in ix.section("memory") if f["unit"] == "x"]
+    if not figs:
+        return []
+    rows = []
+    for f in sorted(figs, key=lambda f: (f["params"]["workers"], f["params"]["shard"])):
+        p, e = f["params"], f["extra"]
+        rows.append(
+            [
+                str(p["workers"]),
+                str(p["shard"]),
+                fmt(p["params_plus_state_mb"]),
+                fmt(e["idle_rss_mb"]),
+                fmt(e["peak_rss_mb"]),
+                fmt(f["median"], "x"),
+                fmt(e["working_rss_mb"]),
+                fmt(e["over_working"], "x"),
+            ]
+        )
+    first = figs[0]["params"]
+    header = [
+        "workers",
+        "shard",
+        "params + SGD state MB",
+        "idle RSS MB",
+        "peak RSS MB",
+        "(peak − idle) ÷ state",
+        "working-shard RSS MB",
+        "(peak − working) ÷ state",
+    ]
+    return [
+        f"## Memory: peak RSS per shard (sync, SGD, {first['parameters']:,} parameters on {first['shards']} shards)",
+        "",
+        "RSS sampled every 20 ms and the kernel's VmHWM, the larger; idle = the same process before any model. "
+        "params + state = the shard's parameters and one gradient-sized buffer (1.00x would be the minimum). "
+        "Working shard: a shard process holding a 64-element model after a few rounds, i.e. what every shard pays "
+        "once whatever its model (building the first torch optimizer imports torch._dynamo).",
+        "",
+        *_table(header, rows),
+        "",
+    ]
+
+
+def plot(doc: Doc, path: Path) -> bool:
+    """Draw latest.png (four panels); return False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ix = _Index(doc)
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    _plot_round_trips(axes[0][0], ix, doc)
+    _plot_throughput(axes[0][1], ix, doc)
+    _plot_training(axes[1][0], ix)
+    _plot_memory(axes[1][1], ix)
+    fig.suptitle(f"paramserver benchmarks, {doc['started']}, {doc['machine'].get('cores')} cores")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, dpi=90, format="png")
+    plt.close(fig)
+    tmp.replace(path)
+    return True
+
+
+def _payloads(doc: Doc) -> list[str]:
+    labels = (["340KB"] if doc["plan"].get("small_model") else []) + list(doc["plan"]["payloads"])
+    return labels
+
+
+def _bars(ax: Any, groups: list[str], series: dict[str, list[float | None]], ylabel: str, log: bool = False) -> None:
+    n = max(1, len(series))
+    width = 0.8 / n
+    for i, (name, values) in enumerate(series.items()):
+        xs = [g + (i - (n - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, [v if _ok(v) else 0 for v in values], width, label=name)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _empty(ax: Any, title: str) -> None:
+    ax.set_title(title)
+    ax.text(0.5, 0.5, "not measured in this run", ha="center", va="center", transform=ax.transAxes)
+    ax.set_axis_off()
+
+
+def _plot_round_trips(ax: Any, ix: _Index, doc: Doc) -> None:
+    title = "push + pull round trip, 1 worker (ms, log scale)"
+    labels = _payloads(doc)
+    shards = 2 if 2 in doc["plan"]["transport_shards"] else doc["plan"]["transport_shards"][0]
+    ours = [ix.median(f"transport.rt.{p}.s{shards}.w1.float32") for p in labels]
+    if not any(_ok(v) for v in ours) and not ix.section("baselines"):
+        return _empty(ax, title)
+    series = {
+        f"paramserver ({shards} shards)": ours,
+        "torch rpc PS": [ix.median(f"baselines.rpc.rt.{p}.w1") for p in labels],
+        "gloo all_reduce": [ix.median(f"baselines.gloo.{p}") for p in labels],
+        "raw TCP": [ix.median(f"baselines.tcp.rt.{p}") for p in labels],
+    }
+    _bars(ax, labels, series, "ms", log=True)
+    ax.set_title(title)
+
+
+def _plot_throughput(ax: Any, ix: _Index, doc: Doc) -> None:
+    title = "payload GB/s, 1 worker (push / pull vs raw TCP send / receive)"
+    labels = [p for p in _payloads(doc) if p != "340KB"]
+    shards = 2 if 2 in doc["plan"]["transport_shards"] else doc["plan"]["transport_shards"][0]
+    series = {
+        "push": [ix.median(f"transport.push.{p}.s{shards}.w1.float32") for p in labels],
+        "pull": [ix.median(f"transport.pull.{p}.s{shards}.w1.float32") for p in labels],
+        "TCP send": [ix.median(f"baselines.tcp.up.{p}") for p in labels],
+        "TCP receive": [ix.median(f"baselines.tcp.down.{p}") for p in labels],
+    }
+    if not any(_ok(v) for vs in series.values() for v in vs):
+        return _empty(ax, title)
+    _bars(ax, labels, series, "GB/s")
+    ax.set_title(title)
+
+
+def _plot_training(ax: Any, ix: _Index) -> None:
+    title = "training samples/s ÷ local"
+    figs = [f for f in ix.section("training") if f["id"].startswith("training.sps.") and f["params"]["mode"] != "local"]
+    if not figs:
+        return _empty(ax, title)
+    names = [f"{_name(f['params']['model'])}\n{f['params']['workers']}w {f['params']['mode']}" for f in figs]
+    values = [next(iter(f.get("ratios", {}).values()), 0.0) for f in figs]
+    ax.bar(range(len(figs)), values, color="tab:green")
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(figs)), names, fontsize=7)
+    ax.set_ylabel("× local samples/s")
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _name(model: str) -> str:
+    return model.rsplit(":", 1)[-1]
+
+
+def _plot_memory(ax: Any, ix: _Index) -> None:
+    title = "shard memory: (peak − idle RSS) ÷ (params + SGD state)"
+    figs = [f for f in ix.section("memory") if f["unit"] == "x"]
+    if not figs:
+        return _empty(ax, title)
+    workers = sorted({f["params"]["workers"] for f in figs})
+    shards = sorted({f["params"]["shard"] for f in figs})
+    series = {f"shard {s}": [ix.median(f"memory.overhead.w{w}.shard{s}") for w in workers] for s in shards}
+    _bars(ax, [f"{w} worker(s)" for w in workers], series, "× params + state")
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_title(title)

@@ -1,0 +1,156 @@
+"""Run paramserver's benchmark suite and write latest.json, latest.md and latest.png.
+
+    python bench/run.py                       the whole suite (several minutes on 2 cores)
+    python bench/run.py --quick               tiny sizes and repeats: checks that everything runs (smoke test)
+    python bench/run.py --only transport,baselines --repeats 9 --out /tmp/bench
+
+Sections: transport (push/pull against shard processes), baselines (raw TCP, gloo all_reduce, a
+torch.distributed.rpc parameter server), training (samples/s against local training, time to 0.95 accuracy),
+memory (peak RSS of the shards). Everything runs on 127.0.0.1; every process started is stopped at the end.
+Set GLIBC_TUNABLES (e.g. glibc.malloc.hugetlb=1) in the environment to measure another malloc setting; the
+value in effect is recorded with the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python bench/run.py` puts bench/, not the repository, on sys.path
+    sys.path.insert(0, str(ROOT))
+
+from bench import baselines, memory, report, training, transport  # noqa: E402
+from bench.common import Plan, Processes, log, machine_facts, write_atomic  # noqa: E402
+
+SECTIONS = {"transport": transport.run, "baselines": baselines.run, "training": training.run, "memory": memory.run}
+DEFAULT_OUT = ROOT / "bench" / "results"
+
+
+def _sections(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SECTIONS]
+    if unknown or not names:
+        listed = ", ".join(unknown) or "(none)"
+        raise argparse.ArgumentTypeError(f"unknown section(s) {listed}; use {', '.join(SECTIONS)}")
+    return [s for s in SECTIONS if s in names]  # always in the suite's order
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python bench/run.py` (what `make bench` calls)."""
+    parser = argparse.ArgumentParser(
+        prog="python bench/run.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and repeats, about a minute (smoke test)")
+    parser.add_argument(
+        "--only",
+        type=_sections,
+        default=list(SECTIONS),
+        metavar="SECTIONS",
+        help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default: all)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="timed iterations per transport/baseline figure after the warm-up; payloads under 50 MB get 4x, "
+        "under 1 MB 10x (default: 5, --quick: 2)",
+    )
+    parser.add_argument(
+        "--train-repeats",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="whole training runs per training figure (default: 3, --quick: 1)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        metavar="DIR",
+        help="directory for latest.json, latest.md, latest.png (default: bench/results)",
+    )
+    return parser
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+
+
+def run(plan: Plan, sections: Sequence[str]) -> dict[str, Any]:
+    """Run the sections in order; a failing section is recorded and the others still run."""
+    started = time.monotonic()
+    doc: dict[str, Any] = {
+        "suite": "paramserver benchmarks",
+        "schema": 1,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": [Path(sys.executable).name, *sys.argv],
+        "plan": plan.to_json(),
+        "machine": machine_facts(),
+        "sections": {},
+        "figures": [],
+    }
+    for name in sections:
+        t0 = time.monotonic()
+        log(f"section {name}")
+        try:
+            with Processes() as procs:
+                figures = SECTIONS[name](plan, procs)
+        except Exception as exc:  # noqa: BLE001 - recorded in the results; the other sections still run
+            log(f"section {name} failed:\n{traceback.format_exc()}")
+            doc["sections"][name] = {"ok": False, "seconds": round(time.monotonic() - t0, 1), "error": str(exc)}
+            continue
+        doc["figures"] += [f.to_json() for f in figures]
+        doc["sections"][name] = {"ok": True, "seconds": round(time.monotonic() - t0, 1), "figures": len(figures)}
+    doc["seconds"] = round(time.monotonic() - started, 1)
+    if hasattr(os, "getloadavg"):
+        doc["machine"]["load_average_end"] = list(os.getloadavg())
+    report.add_ratios(doc)
+    return doc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: run, write the three files, print the markdown; non-zero when a section failed."""
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        plan = Plan.quick_plan(repeats=args.repeats or 2, train_repeats=args.train_repeats or 1)
+    else:
+        plan = Plan.full(repeats=args.repeats or 5, train_repeats=args.train_repeats or 3)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop every child and shard on the way out, as on Ctrl-C
+    try:
+        doc = run(plan, args.only)
+    except KeyboardInterrupt as exc:
+        log(f"interrupted ({exc}); every process was stopped, no results written")
+        return 130
+    out: Path = args.out
+    write_atomic(out / "latest.json", json.dumps(doc, indent=1) + "\n")
+    text = report.markdown(doc)
+    write_atomic(out / "latest.md", text)
+    if not report.plot(doc, out / "latest.png"):
+        log("matplotlib is not installed: no latest.png (pip install matplotlib)")
+    print(text)
+    log(f"wrote {out / 'latest.json'}, latest.md, latest.png in {doc['seconds']:.0f} s")
+    return 0 if all(s["ok"] for s in doc["sections"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

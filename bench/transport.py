@@ -1,0 +1,160 @@
+"""Transport (ours): one push + pull round trip of a dense float32 model against real shard processes.
+
+Public API only: `LocalCluster(ServerConfig(mode="sync", ...), shards=S, processes=True)` and `PSClient`. Every
+worker is a process of its own (`worker` role below), started while the shards start, so its imports cost no
+wall time; all workers register, then start together on the parent's "go".
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bench.common import MLP_PARAMS, Channel, Figure, Plan, Processes, gbps, log, median, ms, schedule
+
+SECTION = "transport"
+LR = 0.01
+TIMEOUT = 600.0
+
+
+def dense_tensors(numel: int, parts: int = 4) -> list[tuple[str, int]]:
+    """A dense model of `numel` float32 parameters as `parts` equal named tensors (the last takes the rest)."""
+    size = numel // parts
+    return [(f"layer{i}.weight", size if i < parts - 1 else numel - size * (parts - 1)) for i in range(parts)]
+
+
+# -- the worker process -----------------------------------------------------------------------------------------
+
+
+def _worker(chan: Channel, params: dict[str, Any]) -> None:
+    """Register a model, then time `n` push + pull rounds after `warmup` rounds, once per job message."""
+    import torch
+
+    from worker import PSClient
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    if params.get("model") == "mlp":
+        from worker.models import build_model
+
+        net = build_model("mlp", in_shape=(1, 8, 8), num_classes=10)
+        model = {name: p.detach().clone() for name, p in net.named_parameters()}
+    else:
+        model = {name: torch.randn(n) for name, n in params["tensors"]}
+    grads = {name: torch.full_like(t, 1e-3) for name, t in model.items()}
+    while True:
+        job = chan.recv()
+        push, pull = [], []
+        with PSClient(job["address"], dtype=job["dtype"]) as client:
+            client.register(model)
+            chan.send("registered", rank=client.rank)
+            chan.recv()  # go: every worker has registered
+            for i in range(job["warmup"] + job["n"]):
+                t0 = time.perf_counter()
+                client.push(grads)
+                t1 = time.perf_counter()
+                client.pull(model)
+                t2 = time.perf_counter()
+                if i >= job["warmup"]:
+                    push.append(t1 - t0)
+                    pull.append(t2 - t1)
+        chan.send("result", push=push, pull=pull)
+
+
+ROLES = {"worker": _worker}
+
+
+# -- the parent -------------------------------------------------------------------------------------------------
+
+
+def run(plan: Plan, procs: Processes) -> list[Figure]:
+    """Measure every payload x shards x workers case, the bf16 wire, and the digits MLP."""
+    figures: list[Figure] = []
+    for label, numel in plan.payloads.items():
+        for shards in plan.transport_shards:
+            for workers in plan.transport_workers:
+                dtypes = ["float32"]
+                if label == plan.bf16_payload and shards == 2 and workers == 1:
+                    dtypes.append("bf16")  # the same cluster and model, a second client with the bf16 wire
+                spec = {"tensors": dense_tensors(numel)}
+                figures += _case(procs, plan, label, numel, spec, shards, workers, dtypes)
+    if plan.small_model:
+        figures += _case(procs, plan, "340KB", MLP_PARAMS, {"model": "mlp"}, 2, 1, ["float32"])
+    return figures
+
+
+def _case(
+    procs: Processes,
+    plan: Plan,
+    label: str,
+    numel: int,
+    spec: dict[str, Any],
+    shards: int,
+    workers: int,
+    dtypes: list[str],
+) -> list[Figure]:
+    from paramserver import ServerConfig
+
+    nbytes = 4 * numel
+    warmup, n = schedule(nbytes, plan.repeats)
+    kids = [procs.child(SECTION, "worker", spec, name=f"transport-worker{r}") for r in range(workers)]
+    cluster = procs.cluster(ServerConfig(mode="sync", workers=workers, optimizer="sgd", lr=LR), shards)
+    procs.settle()
+    figures = []
+    try:
+        for dtype in dtypes:
+            for k in kids:
+                k.send(address=cluster.address, dtype=dtype, warmup=warmup, n=n)
+            for k in kids:
+                k.expect("registered", TIMEOUT)
+            for k in kids:
+                k.send(go=True)
+            results = [k.expect("result", TIMEOUT) for k in kids]
+            case = _figures(label, nbytes, shards, workers, dtype, warmup, results)
+            figures += case
+            log(f"transport {label}, {shards} shard(s), {workers} worker(s), {dtype}: {case[0].median:.2f} ms")
+    finally:
+        procs.close_children(kids)
+        procs.stop_soon(cluster)
+    return figures
+
+
+def _figures(
+    label: str, nbytes: int, shards: int, workers: int, dtype: str, warmup: int, results: list[dict[str, Any]]
+) -> list[Figure]:
+    params = {"payload": label, "bytes": nbytes, "shards": shards, "workers": workers, "wire": dtype, "mode": "sync"}
+    key = f"{label}.s{shards}.w{workers}.{dtype}"
+    per_worker = [[p + q for p, q in zip(r["push"], r["pull"], strict=True)] for r in results]
+    rounds = [t for ts in per_worker for t in ts]  # each worker's own round trips, all of them
+    rt = Figure(
+        id=f"{SECTION}.rt.{key}",
+        section=SECTION,
+        title=f"push + pull round trip, {label}, {shards} shard(s), {workers} worker(s), {dtype} wire",
+        unit="ms",
+        repeats=ms(rounds),
+        params=params,
+        warmup=warmup,
+        compare=[f"baselines.tcp.rt.{label}", f"baselines.rpc.rt.{label}.w{workers}", f"baselines.gloo.{label}"],
+        extra={"per_worker_ms": [ms(ts) for ts in per_worker]} if workers > 1 else {},
+    )
+    if workers > 1:
+        return [rt]
+    push, pull = results[0]["push"], results[0]["pull"]
+    wire_bytes = nbytes // 2 if dtype in ("bf16", "fp16") else nbytes
+    extra = {"model_bytes": nbytes, "wire_bytes": wire_bytes}
+    figures = [rt]
+    for what, times, base in (("push", push, "up"), ("pull", pull, "down")):
+        figures.append(
+            Figure(
+                id=f"{SECTION}.{what}.{key}",
+                section=SECTION,
+                title=f"{what} alone, float32 model bytes per second, {label}, {shards} shard(s), {dtype} wire",
+                unit="GB/s",
+                repeats=gbps(nbytes, times),
+                params=params,
+                warmup=warmup,
+                compare=[f"baselines.tcp.{base}.{label}"],
+                extra={**extra, "ms": ms(times), "wire_gb_per_s": median(gbps(wire_bytes, times))},
+            )
+        )
+    return figures

@@ -1,0 +1,97 @@
+"""Smoke test of the benchmark suite: `bench/run.py --quick` runs every section and writes its three files.
+
+It checks that the suite works, not how fast anything is: the quick sizes are too small to mean anything.
+About a minute on 2 idle cores (real shard and worker processes start a dozen times).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = ("transport", "baselines", "training", "memory")
+TIMEOUT_S = 240
+
+
+def _run_quick(out: Path) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # SIGTERM first: the suite then stops every shard and worker it started (SIGKILL would orphan them).
+        proc.send_signal(signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        pytest.fail(f"bench/run.py --quick took over {TIMEOUT_S} s\n{stderr[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    out = tmp_path_factory.mktemp("bench")
+    return out, _run_quick(out)
+
+
+@pytest.mark.timeout(TIMEOUT_S + 120)
+def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, result = quick_run
+    assert result.returncode == 0, f"exit status {result.returncode}\n{result.stderr[-4000:]}"
+    doc = json.loads((out / "latest.json").read_text())
+    for key in ("cores", "torch", "grpc", "glibc_tunables"):
+        assert key in doc["machine"], key
+    assert doc["machine"]["cores"] >= 1
+    assert set(doc["sections"]) == set(SECTIONS)
+    assert all(s["ok"] for s in doc["sections"].values()), doc["sections"]
+
+    figures = doc["figures"]
+    for section in SECTIONS:
+        assert any(f["section"] == section for f in figures), f"no {section} figures"
+    for f in figures:
+        assert f["unit"], f["id"]
+        if f["id"].startswith("training.tta."):
+            continue  # the quick run is too short to reach the target accuracy: no time, by design
+        assert f["repeats"], f["id"]
+        assert all(isinstance(x, int | float) and math.isfinite(x) and x > 0 for x in f["repeats"]), f
+        assert f["median"] > 0, f["id"]
+
+    ids = {f["id"] for f in figures}
+    for expected in ("transport.rt.", "transport.push.", "baselines.tcp.rt.", "baselines.gloo.", "baselines.rpc.rt."):
+        assert any(i.startswith(expected) for i in ids), expected
+    assert any(i.startswith("training.sps.") and i.endswith(".local") for i in ids)
+    assert any(i.startswith("memory.overhead.") for i in ids)
+    # Ratios against the baselines of the same run are computed, and they are positive.
+    ratios = [r for f in figures for r in f.get("ratios", {}).values()]
+    assert ratios and all(r > 0 for r in ratios)
+
+    text = (out / "latest.md").read_text()
+    assert text.startswith("# paramserver benchmarks")
+    for heading in ("## Transport", "## Baselines", "## Training", "## Memory"):
+        assert heading in text
+    assert "| payload |" in text
+    assert "# paramserver benchmarks" in result.stdout  # the table is printed at the end too
+
+
+@pytest.mark.timeout(TIMEOUT_S + 120)
+def test_quick_run_draws_the_plot(quick_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    pytest.importorskip("matplotlib")
+    out, result = quick_run
+    assert result.returncode == 0, result.stderr[-4000:]
+    png = out / "latest.png"
+    assert png.is_file()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
