@@ -115,6 +115,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 world_size=self.shard.config.workers,
                 version=version,
                 lease_timeout_s=self.shard.config.lease_timeout,
+                incarnation=self.shard.incarnation,
             )
 
     def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
@@ -151,8 +152,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             timeout = (
                 self.shard.config.pull_timeout if remaining is None else min(remaining, self.shard.config.pull_timeout)
             )
-            version, model = self.shard.wait_for(request.min_version, timeout, request.worker_id)
-            header = ps_pb2.PullHeader(version=version, model_digest=model.digest)
+            # A version asked of an earlier incarnation (the shard restarted from an older checkpoint since) may
+            # never come: answer with the current weights instead.
+            stale = bool(request.incarnation) and request.incarnation != self.shard.incarnation
+            min_version = 0 if stale else request.min_version
+            version, model = self.shard.wait_for(min_version, timeout, request.worker_id)
+            header = ps_pb2.PullHeader(version=version, model_digest=model.digest, incarnation=self.shard.incarnation)
             yield ps_pb2.PullMessage(header=header).SerializeToString()
             sent = 0
             for piece, offset, data in iter_chunks(model.views(model.params.numpy()), dtype):

@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -157,6 +158,8 @@ class Shard:
         self.finished_workers = 0
         self.done = threading.Event()  # set once every worker of the job finished and none is live
         self.metrics = ShardMetrics(index)
+        # A new value each time a shard process starts: versions a worker waits for refer to one incarnation.
+        self.incarnation = uuid.uuid4().hex
 
     # -- membership --------------------------------------------------------------------------------------------
 

@@ -203,6 +203,7 @@ class PSClient:
         self._pool = futures.ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps-client")
         self.versions = [0] * len(self.addresses)  # what each shard's last pull returned
         self._min_next = [0] * len(self.addresses)  # the version a pull must wait for after a push
+        self._incarnation = [""] * len(self.addresses)  # which run of each shard those versions belong to
         if join:
             try:
                 self.join()
@@ -353,7 +354,10 @@ class PSClient:
 
         def pull_one(k: int) -> int:
             req = ps_pb2.PullRequest(
-                worker_id=self.worker_id if self._joined else "", min_version=self._min_next[k], dtype=dtype
+                worker_id=self.worker_id if self._joined else "",
+                min_version=self._min_next[k],
+                dtype=dtype,
+                incarnation=self._incarnation[k],
             )
             stream = self._raw[k].pull(req, timeout=self.timeout)
             first = codec.decode(next(stream), ps_pb2.PullMessage)
@@ -371,6 +375,9 @@ class PSClient:
                     raise MalformedStream(f"shard {self.addresses[k]} sent a second header in a pull stream")
                 receiver.add(chunk.piece, chunk.offset, chunk.data)
             receiver.finish()
+            if first.header.incarnation != self._incarnation[k]:
+                self._incarnation[k] = first.header.incarnation
+                self._min_next[k] = 0
             self.versions[k] = first.header.version
             return int(first.header.version)
 

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17paramserver/v1/ps.proto\x12\x0eparamserver.v1\")\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\"4\n\x05Piece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"4\n\x05\x43hunk\x12\r\n\x05piece\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"o\n\x07JobInfo\x12\"\n\x04mode\x18\x01 \x01(\x0e\x32\x14.paramserver.v1.Mode\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\x11\n\toptimizer\x18\x03 \x01(\t\x12\n\n\x02lr\x18\x04 \x01(\x01\x12\x10\n\x08job_name\x18\x05 \x01(\t\"\x14\n\x12GetTopologyRequest\"\xd4\x01\n\x08Topology\x12\x0e\n\x06shards\x18\x01 \x03(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\r\x12$\n\x03job\x18\x03 \x01(\x0b\x32\x17.paramserver.v1.JobInfo\x12\x13\n\x0binitialized\x18\x04 \x01(\x08\x12\x14\n\x0cmodel_digest\x18\x05 \x01(\t\x12)\n\x05specs\x18\x06 \x03(\x0b\x32\x1a.paramserver.v1.TensorSpec\x12\x0f\n\x07version\x18\x07 \x01(\x04\x12\x16\n\x0eslice_elements\x18\x08 \x01(\x04\"2\n\x0bJoinRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08job_name\x18\x02 \x01(\t\"Z\n\x0cJoinResponse\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x17\n\x0flease_timeout_s\x18\x04 \x01(\x01\"%\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"$\n\x11HeartbeatResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"3\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\"\x0f\n\rLeaveResponse\"\x9a\x01\n\nInitHeader\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12)\n\x05specs\x18\x02 \x03(\x0b\x32\x1a.paramserver.v1.TensorSpec\x12\x12\n\nnum_shards\x18\x03 \x01(\r\x12\x14\n\x0cmodel_digest\x18\x04 \x01(\t\x12$\n\x05\x64type\x18\x05 \x01(\x0e\x32\x15.paramserver.v1.DType\"k\n\x0bInitMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.paramserver.v1.InitHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.paramserver.v1.ChunkH\x00\x42\x06\n\x04kind\"\x1f\n\x0cInitResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"[\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bmin_version\x18\x02 \x01(\x04\x12$\n\x05\x64type\x18\x03 \x01(\x0e\x32\x15.paramserver.v1.DType\"3\n\nPullHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0cmodel_digest\x18\x02 \x01(\t\"k\n\x0bPullMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.paramserver.v1.PullHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.paramserver.v1.ChunkH\x00\x42\x06\n\x04kind\"\x7f\n\nPushHeader\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x14\n\x0cmodel_digest\x18\x04 \x01(\t\x12$\n\x05\x64type\x18\x05 \x01(\x0e\x32\x15.paramserver.v1.DType\"k\n\x0bPushMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.paramserver.v1.PushHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.paramserver.v1.ChunkH\x00\x42\x06\n\x04kind\"0\n\x0cPushResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03*1\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x08\n\x04SYNC\x10\x01\x12\t\n\x05\x41SYNC\x10\x02\x32\x87\x04\n\x0fParameterServer\x12K\n\x0bGetTopology\x12\".paramserver.v1.GetTopologyRequest\x1a\x18.paramserver.v1.Topology\x12\x41\n\x04Join\x12\x1b.paramserver.v1.JoinRequest\x1a\x1c.paramserver.v1.JoinResponse\x12\x44\n\x05Leave\x12\x1c.paramserver.v1.LeaveRequest\x1a\x1d.paramserver.v1.LeaveResponse\x12P\n\tHeartbeat\x12 .paramserver.v1.HeartbeatRequest\x1a!.paramserver.v1.HeartbeatResponse\x12\x43\n\x04Init\x12\x1b.paramserver.v1.InitMessage\x1a\x1c.paramserver.v1.InitResponse(\x01\x12\x42\n\x04Pull\x12\x1b.paramserver.v1.PullRequest\x1a\x1b.paramserver.v1.PullMessage0\x01\x12\x43\n\x04Push\x12\x1b.paramserver.v1.PushMessage\x1a\x1c.paramserver.v1.PushResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17paramserver/v1/ps.proto\x12\x0eparamserver.v1\")\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\"4\n\x05Piece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"4\n\x05\x43hunk\x12\r\n\x05piece\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"o\n\x07JobInfo\x12\"\n\x04mode\x18\x01 \x01(\x0e\x32\x14.paramserver.v1.Mode\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\x11\n\toptimizer\x18\x03 \x01(\t\x12\n\n\x02lr\x18\x04 \x01(\x01\x12\x10\n\x08job_name\x18\x05 \x01(\t\"\x14\n\x12GetTopologyRequest\"\xd4\x01\n\x08Topology\x12\x0e\n\x06shards\x18\x01 \x03(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\r\x12$\n\x03job\x18\x03 \x01(\x0b\x32\x17.paramserver.v1.JobInfo\x12\x13\n\x0binitialized\x18\x04 \x01(\x08\x12\x14\n\x0cmodel_digest\x18\x05 \x01(\t\x12)\n\x05specs\x18\x06 \x03(\x0b\x32\x1a.paramserver.v1.TensorSpec\x12\x0f\n\x07version\x18\x07 \x01(\x04\x12\x16\n\x0eslice_elements\x18\x08 \x01(\x04\"2\n\x0bJoinRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08job_name\x18\x02 \x01(\t\"o\n\x0cJoinResponse\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x17\n\x0flease_timeout_s\x18\x04 \x01(\x01\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\"%\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"$\n\x11HeartbeatResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"3\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\"\x0f\n\rLeaveResponse\"\x9a\x01\n\nInitHeader\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12)\n\x05specs\x18\x02 \x03(\x0b\x32\x1a.paramserver.v1.TensorSpec\x12\x12\n\nnum_shards\x18\x03 \x01(\r\x12\x14\n\x0cmodel_digest\x18\x04 \x01(\t\x12$\n\x05\x64type\x18\x05 \x01(\x0e\x32\x15.paramserver.v1.DType\"k\n\x0bInitMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.paramserver.v1.InitHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.paramserver.v1.ChunkH\x00\x42\x06\n\x04kind\"\x1f\n\x0cInitResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"p\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bmin_version\x18\x02 \x01(\x04\x12$\n\x05\x64type\x18\x03 \x01(\x0e\x32\x15.paramserver.v1.DType\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"H\n\nPullHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0cmodel_digest\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"k\n\x0bPullMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.paramserver.v1.PullHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.paramserver.v1.ChunkH\x00\x42\x06\n\x04kind\"\x7f\n\nPushHeader\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x14\n\x0cmodel_digest\x18\x04 \x01(\t\x12$\n\x05\x64type\x18\x05 \x01(\x0e\x32\x15.paramserver.v1.DType\"k\n\x0bPushMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.paramserver.v1.PushHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.paramserver.v1.ChunkH\x00\x42\x06\n\x04kind\"0\n\x0cPushResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03*1\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x08\n\x04SYNC\x10\x01\x12\t\n\x05\x41SYNC\x10\x02\x32\x87\x04\n\x0fParameterServer\x12K\n\x0bGetTopology\x12\".paramserver.v1.GetTopologyRequest\x1a\x18.paramserver.v1.Topology\x12\x41\n\x04Join\x12\x1b.paramserver.v1.JoinRequest\x1a\x1c.paramserver.v1.JoinResponse\x12\x44\n\x05Leave\x12\x1c.paramserver.v1.LeaveRequest\x1a\x1d.paramserver.v1.LeaveResponse\x12P\n\tHeartbeat\x12 .paramserver.v1.HeartbeatRequest\x1a!.paramserver.v1.HeartbeatResponse\x12\x43\n\x04Init\x12\x1b.paramserver.v1.InitMessage\x1a\x1c.paramserver.v1.InitResponse(\x01\x12\x42\n\x04Pull\x12\x1b.paramserver.v1.PullRequest\x1a\x1b.paramserver.v1.PullMessage0\x01\x12\x43\n\x04Push\x12\x1b.paramserver.v1.PushMessage\x1a\x1c.paramserver.v1.PushResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'paramserver.v1.ps_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1677
-  _globals['_DTYPE']._serialized_end=1747
-  _globals['_MODE']._serialized_start=1749
-  _globals['_MODE']._serialized_end=1798
+  _globals['_DTYPE']._serialized_start=1740
+  _globals['_DTYPE']._serialized_end=1810
+  _globals['_MODE']._serialized_start=1812
+  _globals['_MODE']._serialized_end=1861
   _globals['_TENSORSPEC']._serialized_start=43
   _globals['_TENSORSPEC']._serialized_end=84
   _globals['_PIECE']._serialized_start=86
@@ -50,33 +50,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST']._serialized_start=544
   _globals['_JOINREQUEST']._serialized_end=594
   _globals['_JOINRESPONSE']._serialized_start=596
-  _globals['_JOINRESPONSE']._serialized_end=686
-  _globals['_HEARTBEATREQUEST']._serialized_start=688
-  _globals['_HEARTBEATREQUEST']._serialized_end=725
-  _globals['_HEARTBEATRESPONSE']._serialized_start=727
-  _globals['_HEARTBEATRESPONSE']._serialized_end=763
-  _globals['_LEAVEREQUEST']._serialized_start=765
-  _globals['_LEAVEREQUEST']._serialized_end=816
-  _globals['_LEAVERESPONSE']._serialized_start=818
-  _globals['_LEAVERESPONSE']._serialized_end=833
-  _globals['_INITHEADER']._serialized_start=836
-  _globals['_INITHEADER']._serialized_end=990
-  _globals['_INITMESSAGE']._serialized_start=992
-  _globals['_INITMESSAGE']._serialized_end=1099
-  _globals['_INITRESPONSE']._serialized_start=1101
-  _globals['_INITRESPONSE']._serialized_end=1132
-  _globals['_PULLREQUEST']._serialized_start=1134
-  _globals['_PULLREQUEST']._serialized_end=1225
-  _globals['_PULLHEADER']._serialized_start=1227
-  _globals['_PULLHEADER']._serialized_end=1278
-  _globals['_PULLMESSAGE']._serialized_start=1280
-  _globals['_PULLMESSAGE']._serialized_end=1387
-  _globals['_PUSHHEADER']._serialized_start=1389
-  _globals['_PUSHHEADER']._serialized_end=1516
-  _globals['_PUSHMESSAGE']._serialized_start=1518
-  _globals['_PUSHMESSAGE']._serialized_end=1625
-  _globals['_PUSHRESPONSE']._serialized_start=1627
-  _globals['_PUSHRESPONSE']._serialized_end=1675
-  _globals['_PARAMETERSERVER']._serialized_start=1801
-  _globals['_PARAMETERSERVER']._serialized_end=2320
+  _globals['_JOINRESPONSE']._serialized_end=707
+  _globals['_HEARTBEATREQUEST']._serialized_start=709
+  _globals['_HEARTBEATREQUEST']._serialized_end=746
+  _globals['_HEARTBEATRESPONSE']._serialized_start=748
+  _globals['_HEARTBEATRESPONSE']._serialized_end=784
+  _globals['_LEAVEREQUEST']._serialized_start=786
+  _globals['_LEAVEREQUEST']._serialized_end=837
+  _globals['_LEAVERESPONSE']._serialized_start=839
+  _globals['_LEAVERESPONSE']._serialized_end=854
+  _globals['_INITHEADER']._serialized_start=857
+  _globals['_INITHEADER']._serialized_end=1011
+  _globals['_INITMESSAGE']._serialized_start=1013
+  _globals['_INITMESSAGE']._serialized_end=1120
+  _globals['_INITRESPONSE']._serialized_start=1122
+  _globals['_INITRESPONSE']._serialized_end=1153
+  _globals['_PULLREQUEST']._serialized_start=1155
+  _globals['_PULLREQUEST']._serialized_end=1267
+  _globals['_PULLHEADER']._serialized_start=1269
+  _globals['_PULLHEADER']._serialized_end=1341
+  _globals['_PULLMESSAGE']._serialized_start=1343
+  _globals['_PULLMESSAGE']._serialized_end=1450
+  _globals['_PUSHHEADER']._serialized_start=1452
+  _globals['_PUSHHEADER']._serialized_end=1579
+  _globals['_PUSHMESSAGE']._serialized_start=1581
+  _globals['_PUSHMESSAGE']._serialized_end=1688
+  _globals['_PUSHRESPONSE']._serialized_start=1690
+  _globals['_PUSHRESPONSE']._serialized_end=1738
+  _globals['_PARAMETERSERVER']._serialized_start=1864
+  _globals['_PARAMETERSERVER']._serialized_end=2383
 # @@protoc_insertion_point(module_scope)

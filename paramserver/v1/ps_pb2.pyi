@@ -102,16 +102,18 @@ class JoinRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., job_name: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("rank", "world_size", "version", "lease_timeout_s")
+    __slots__ = ("rank", "world_size", "version", "lease_timeout_s", "incarnation")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     version: int
     lease_timeout_s: float
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., version: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., version: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id",)
@@ -166,22 +168,26 @@ class InitResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "min_version", "dtype")
+    __slots__ = ("worker_id", "min_version", "dtype", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     min_version: int
     dtype: DType
-    def __init__(self, worker_id: _Optional[str] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("version", "model_digest")
+    __slots__ = ("version", "model_digest", "incarnation")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     version: int
     model_digest: str
-    def __init__(self, version: _Optional[int] = ..., model_digest: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, version: _Optional[int] = ..., model_digest: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class PullMessage(_message.Message):
     __slots__ = ("header", "chunk")
