@@ -42,12 +42,17 @@ T = TypeVar("T")
 Tensors = torch.nn.Module | Mapping[str, torch.Tensor]
 
 # Unary calls retry UNAVAILABLE (a shard restarting) with backoff, declared once for the channel. Streams are
-# not retried by gRPC beyond its small buffer; a push is safe to resend because the server dedupes (worker, step).
+# retried by PSClient._on_shard instead; a push is safe to resend because the server dedupes (worker, step).
 _SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
             {
-                "name": [{"service": "paramserver.v1.ParameterServer"}],
+                # Unary calls only: gRPC's own retry of a server stream (Pull) waiting when its shard dies was
+                # seen to never return, not even at its deadline. Streams are retried by PSClient._on_shard.
+                "name": [
+                    {"service": "paramserver.v1.ParameterServer", "method": m}
+                    for m in ("GetTopology", "Join", "Leave", "Heartbeat")
+                ],
                 "retryPolicy": {
                     "maxAttempts": 5,
                     "initialBackoff": "0.1s",
