@@ -107,7 +107,13 @@ class LocalCluster:
         ]  # fmt: skip
         # A new session: a Ctrl-C in the terminal reaches only the parent, which stops shards in order.
         return subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
 
     def _start_processes(self) -> None:
@@ -202,6 +208,16 @@ class LocalCluster:
         if not self.processes:
             raise RuntimeError("only shard processes can be killed")
         os.kill(self.procs[index].pid, sig)
+
+
+def _die_with_parent() -> None:
+    """In a shard subprocess before exec: get SIGTERM when the parent dies (Linux), so no shard outlives a
+    crashed or killed test run or ps-server; SIGTERM still lets the shard checkpoint and exit cleanly."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _drain(proc: subprocess.Popen[str]) -> None:
