@@ -392,13 +392,17 @@ def _name(model: str) -> str:
 
 
 def _plot_memory(ax: Any, ix: _Index) -> None:
-    title = "shard memory: (peak − idle RSS) ÷ (params + SGD state)"
+    title = "shard memory: (peak − idle or working RSS) ÷ (params + SGD state)"
     figs = [f for f in ix.section("memory") if f["unit"] == "x"]
     if not figs:
         return _empty(ax, title)
     workers = sorted({f["params"]["workers"] for f in figs})
     shards = sorted({f["params"]["shard"] for f in figs})
-    series = {f"shard {s}": [ix.median(f"memory.overhead.w{w}.shard{s}") for w in workers] for s in shards}
+    series: dict[str, list[float | None]] = {}
+    for s in shards:
+        found = [ix.get(f"memory.overhead.w{w}.shard{s}") for w in workers]
+        series[f"shard {s}, from idle"] = [f["median"] if f else None for f in found]
+        series[f"shard {s}, from working"] = [f["extra"].get("over_working") if f else None for f in found]
     _bars(ax, [f"{w} worker(s)" for w in workers], series, "× params + state")
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     ax.set_title(title)
