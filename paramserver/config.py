@@ -109,6 +109,11 @@ class ServerConfig:
     metrics_port: int | None = config_field(
         None, "serve Prometheus metrics on this port (ps-server --shards N: shard i on port + i)"
     )
+    shared_memory: bool = config_field(
+        True,
+        "let workers on this host exchange tensor bytes with the shard through shared memory (/dev/shm) instead "
+        "of the gRPC streams; workers elsewhere always use the streams",
+    )
     max_concurrent_pushes: int = config_field(
         2, "pushes received at once per shard (each needs one gradient-sized buffer; more wait)"
     )

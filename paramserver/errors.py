@@ -61,6 +61,14 @@ class WrongJob(FailedPrecondition):
     """A worker that names another job."""
 
 
+class SharedMemoryUnavailable(FailedPrecondition):
+    """The shard cannot use an offered shared-memory segment (another host, or disabled): use the streams."""
+
+
+class NotAttached(FailedPrecondition):
+    """An Exchange from a worker with no segment attached for this model (e.g. the shard restarted): attach again."""
+
+
 class AlreadyInitialized(PSError):
     """Init of the very model the shard already holds: the worker should pull instead."""
 
@@ -144,8 +152,13 @@ def from_rpc_error(err: grpc.RpcError, shard: str = "") -> PSError:
     """Turn a gRPC error from a shard into the matching PSError, keeping the server's message."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     detail = err.details() if hasattr(err, "details") else str(err)
-    where = f"shard {shard}: " if shard else ""
     named = dict(err.trailing_metadata() or ()).get(ERROR_KEY) if hasattr(err, "trailing_metadata") else None
+    return from_status(code, detail, named, shard)
+
+
+def from_status(code: grpc.StatusCode, detail: str, named: str | None = None, shard: str = "") -> PSError:
+    """The PSError for a status from a shard: the type it named when that type has this code, else by code."""
+    where = f"shard {shard}: " if shard else ""
     kind = _error_types().get(named) if named else None
     if kind is None or kind.code != code:
         kind = _BY_CODE.get(code)

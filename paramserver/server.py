@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.config import ServerConfig
+from paramserver.doorbell import DoorbellServer
 from paramserver.metrics import MetricsServer
 from paramserver.security import TokenAuth, read_token, server_credentials
 from paramserver.service import ParameterServerServicer, add_to_server
@@ -34,8 +35,17 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
 class ShardServer:
     """A started gRPC server for one shard. Bind with `create`, give it the peer list, then `start`."""
 
-    def __init__(self, shard: Shard, server: grpc.Server, port: int, health_servicer: health.HealthServicer) -> None:
+    def __init__(
+        self,
+        shard: Shard,
+        server: grpc.Server,
+        port: int,
+        health_servicer: health.HealthServicer,
+        servicer: ParameterServerServicer,
+    ) -> None:
         self.shard = shard
+        self.servicer = servicer
+        self._doorbell: DoorbellServer | None = None
         self.port = port
         self.metrics_port: int | None = None
         self._server = server
@@ -55,7 +65,8 @@ class ShardServer:
         interceptors = [TokenAuth(read_token(config.auth_token_file))] if config.auth_token_file else []
         # so_reuseport off: a second server on the same port must fail, not silently share it.
         server = grpc.server(pool, interceptors=interceptors, options=[*grpc_options(config), ("grpc.so_reuseport", 0)])
-        add_to_server(ParameterServerServicer(shard), server)
+        servicer = ParameterServerServicer(shard)
+        add_to_server(servicer, server)
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
@@ -65,7 +76,7 @@ class ShardServer:
             bound = server.add_secure_port(f"{host}:{port}", credentials)
         if bound == 0:
             raise OSError(f"could not bind shard {index} to {host}:{port} (port in use?)")
-        instance = cls(shard, server, bound, health_servicer)
+        instance = cls(shard, server, bound, health_servicer, servicer)
         instance._pool = pool
         return instance
 
@@ -77,6 +88,14 @@ class ShardServer:
         if self.shard.config.metrics_port is not None:
             self._metrics = MetricsServer(self.shard.metrics.registry, self.shard.config.metrics_port)
             self.metrics_port = self._metrics.port
+        if self.shard.config.shared_memory:
+            # Same-host workers' Exchanges over a Unix socket (see paramserver.doorbell).
+            self._doorbell = DoorbellServer(
+                lambda hello: self.shard.verify_segment(hello.worker_id, hello.name, hello.nonce),
+                self.servicer.exchange,
+                self.servicer.rejected,
+            )
+            self.servicer.doorbell = self._doorbell.address
         self._server.start()
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -94,6 +113,8 @@ class ShardServer:
         self.shard.drain(grace)
         self.shard.stop_waiting()
         self._server.stop(grace).wait()
+        if self._doorbell is not None:
+            self._doorbell.close(grace)
         self.shard.close()
         if self._metrics is not None:
             self._metrics.stop()

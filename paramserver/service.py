@@ -6,6 +6,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from paramserver import codec
@@ -13,7 +14,7 @@ from paramserver.errors import InvalidArgument, MalformedStream, PSError, TooLar
 from paramserver.placement import SLICE_ELEMENTS, TensorSpec
 from paramserver.shard import Shard
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
-from paramserver.wire import ChunkReceiver, iter_chunks, wire_dtype
+from paramserver.wire import ChunkReceiver, check_finite, iter_chunks, wire_dtype
 
 _MODES = {"sync": ps_pb2.SYNC, "async": ps_pb2.ASYNC}
 
@@ -82,12 +83,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
+        self.doorbell = ""  # the address of the shard's doorbell (paramserver.doorbell), once it listens
 
-    def _rejected(self, exc: PSError) -> None:
+    def rejected(self, exc: PSError) -> None:
+        """Count a refused request in the shard's metrics."""
         self.shard.metrics.rejected_for(type(exc).__name__)
 
     def GetTopology(self, request: ps_pb2.GetTopologyRequest, context: grpc.ServicerContext) -> ps_pb2.Topology:
-        with rpc_errors(context, "GetTopology", self._rejected):
+        with rpc_errors(context, "GetTopology", self.rejected):
             c = self.shard.config
             d = self.shard.describe()
             return ps_pb2.Topology(
@@ -108,7 +111,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             )
 
     def Join(self, request: ps_pb2.JoinRequest, context: grpc.ServicerContext) -> ps_pb2.JoinResponse:
-        with rpc_errors(context, "Join", self._rejected):
+        with rpc_errors(context, "Join", self.rejected):
             rank, version = self.shard.join(request.worker_id, request.job_name)
             return ps_pb2.JoinResponse(
                 rank=rank,
@@ -119,18 +122,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             )
 
     def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
-        with rpc_errors(context, "Leave", self._rejected):
+        with rpc_errors(context, "Leave", self.rejected):
             self.shard.leave(request.worker_id, request.finished)
             return ps_pb2.LeaveResponse()
 
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
-        with rpc_errors(context, "Heartbeat", self._rejected):
+        with rpc_errors(context, "Heartbeat", self.rejected):
             return ps_pb2.HeartbeatResponse(version=self.shard.heartbeat(request.worker_id))
 
     def Init(
         self, request_iterator: Iterator[ps_pb2.InitMessage], context: grpc.ServicerContext
     ) -> ps_pb2.InitResponse:
-        with rpc_errors(context, "Init", self._rejected):
+        with rpc_errors(context, "Init", self.rejected):
             stream = ClientStream(request_iterator, ps_pb2.InitMessage, self.shard.config.max_message_bytes, context)
             header = stream.header()
             self.shard.check_worker(header.worker_id)
@@ -145,18 +148,23 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             stream.receive(receiver)
             return ps_pb2.InitResponse(version=self.shard.commit_init(model))
 
+    def _timeout(self, context: grpc.ServicerContext) -> float:
+        """How long a pull may wait: the shard's limit, or less if the call's deadline comes first."""
+        remaining = context.time_remaining()
+        limit = self.shard.config.pull_timeout
+        return limit if remaining is None else min(remaining, limit)
+
+    def _min_version(self, min_version: int, incarnation: str) -> int:
+        # A version asked of an earlier incarnation (the shard restarted from an older checkpoint since) may never
+        # come: answer with the current weights instead.
+        stale = bool(incarnation) and incarnation != self.shard.incarnation
+        return 0 if stale else min_version
+
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        with rpc_errors(context, "Pull", self._rejected):
+        with rpc_errors(context, "Pull", self.rejected):
             dtype = wire_dtype(request.dtype)
-            remaining = context.time_remaining()
-            timeout = (
-                self.shard.config.pull_timeout if remaining is None else min(remaining, self.shard.config.pull_timeout)
-            )
-            # A version asked of an earlier incarnation (the shard restarted from an older checkpoint since) may
-            # never come: answer with the current weights instead.
-            stale = bool(request.incarnation) and request.incarnation != self.shard.incarnation
-            min_version = 0 if stale else request.min_version
-            version, model = self.shard.wait_for(min_version, timeout, request.worker_id)
+            min_version = self._min_version(request.min_version, request.incarnation)
+            version, model = self.shard.wait_for(min_version, self._timeout(context), request.worker_id)
             header = ps_pb2.PullHeader(version=version, model_digest=model.digest, incarnation=self.shard.incarnation)
             yield ps_pb2.PullMessage(header=header).SerializeToString()
             sent = 0
@@ -169,7 +177,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Push(
         self, request_iterator: Iterator[ps_pb2.PushMessage], context: grpc.ServicerContext
     ) -> ps_pb2.PushResponse:
-        with rpc_errors(context, "Push", self._rejected):
+        with rpc_errors(context, "Push", self.rejected):
             stream = ClientStream(request_iterator, ps_pb2.PushMessage, self.shard.config.max_message_bytes, context)
             header = stream.header()
             model = self.shard.require_model(header.model_digest)
@@ -191,6 +199,39 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 )
             self.shard.metrics.bytes_in.inc(stream.bytes)
             return ps_pb2.PushResponse(version=version, applied=applied)
+
+    def Attach(self, request: ps_pb2.AttachRequest, context: grpc.ServicerContext) -> ps_pb2.AttachResponse:
+        with rpc_errors(context, "Attach", self.rejected):
+            self.shard.attach(request.worker_id, request.name, request.nonce, request.elements, request.model_digest)
+            return ps_pb2.AttachResponse(doorbell=self.doorbell)
+
+    def Exchange(self, request: ps_pb2.ExchangeRequest, context: grpc.ServicerContext) -> ps_pb2.ExchangeResponse:
+        with rpc_errors(context, "Exchange", self.rejected):
+            return self.exchange(request, self._timeout(context))
+
+    def exchange(self, request: ps_pb2.ExchangeRequest, timeout: float) -> ps_pb2.ExchangeResponse:
+        """Push and/or pull through the worker's attached segment (for the Exchange RPC and the doorbell)."""
+        model = self.shard.require_model(request.model_digest)
+        segment = self.shard.segment(request.worker_id, model)
+        reply = ps_pb2.ExchangeResponse()
+        if request.push:
+            # Copied out of the segment first: what is validated is exactly what applies, whatever the worker
+            # does to its segment meanwhile.
+            with self.shard.scratch() as grad:
+                np.copyto(grad, segment.grad)
+                check_finite(model.views(grad), model.labels)
+                reply.version, reply.applied = self.shard.push(
+                    request.worker_id, request.step, request.base_version, grad, request.model_digest
+                )
+            self.shard.metrics.bytes_in.inc(segment.grad.nbytes)
+        if request.pull:
+            min_version = self._min_version(request.min_version, request.incarnation)
+            reply.pulled.version = self.shard.pull_into(segment.weights, min_version, timeout, request.worker_id)
+            reply.pulled.model_digest = model.digest
+            reply.pulled.incarnation = self.shard.incarnation
+            self.shard.metrics.pulls.inc()
+            self.shard.metrics.bytes_out.inc(segment.weights.nbytes)
+        return reply
 
 
 def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> None:

@@ -20,15 +20,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paramserver import checkpoint
+from paramserver import checkpoint, shm
 from paramserver.config import ServerConfig
 from paramserver.consistency import make_policy
 from paramserver.errors import (
     AlreadyInitialized,
     InvalidArgument,
     ModelMismatch,
+    NotAttached,
     NotInitialized,
     PullTimeout,
+    SharedMemoryUnavailable,
     ShuttingDown,
     StaleRound,
     TooLarge,
@@ -158,6 +160,9 @@ class Shard:
         self.finished_workers = 0
         self.done = threading.Event()  # set once every worker of the job finished and none is live
         self.metrics = ShardMetrics(index)
+        # Same-host workers' shared-memory segments, by worker id. Dropped (not closed) when a worker goes: an
+        # Exchange in flight keeps its mapping alive until it ends.
+        self._segments: dict[str, shm.Segment] = {}
         # A new value each time a shard process starts: versions a worker waits for refer to one incarnation.
         self.incarnation = uuid.uuid4().hex
 
@@ -187,6 +192,7 @@ class Shard:
     def leave(self, worker_id: str, finished: bool = False) -> None:
         """Remove a worker; a sync round stops waiting for it. `finished`: it completed its training."""
         with self._cond:
+            self._segments.pop(worker_id, None)
             if self.membership.leave(worker_id):
                 self.finished_workers += finished
                 log.info(
@@ -408,19 +414,61 @@ class Shard:
     def wait_for(self, min_version: int, timeout: float, worker_id: str = "") -> tuple[int, ShardModel]:
         """Wait until the shard reaches `min_version`; return (version, model)."""
         with self._cond:
-            if worker_id:
-                self.membership.get(worker_id)
-            self.require_model()
-            reached = self._cond.wait_for(lambda: self._closed or self.version >= min_version, timeout=timeout)
-            if self._closed:
-                raise ShuttingDown(f"shard {self.index} is shutting down")
-            if not reached:
-                raise PullTimeout(
-                    f"shard {self.index} is at version {self.version}, not {min_version}, after "
-                    f"{timeout:.1f} s: {self.policy.waiting_for(self)}"
-                )
-            model = self.require_model()
-            return self.version, model
+            return self._wait_locked(min_version, timeout, worker_id)
+
+    def pull_into(self, dst: np.ndarray, min_version: int, timeout: float, worker_id: str = "") -> int:
+        """Wait like `wait_for`, then copy the weights into `dst` under the lock (one consistent version)."""
+        with self._cond:
+            version, model = self._wait_locked(min_version, timeout, worker_id)
+            np.copyto(dst, model.params.numpy())
+            return version
+
+    def _wait_locked(self, min_version: int, timeout: float, worker_id: str) -> tuple[int, ShardModel]:
+        if worker_id:
+            self.membership.get(worker_id)
+        self.require_model()
+        reached = self._cond.wait_for(lambda: self._closed or self.version >= min_version, timeout=timeout)
+        if self._closed:
+            raise ShuttingDown(f"shard {self.index} is shutting down")
+        if not reached:
+            raise PullTimeout(
+                f"shard {self.index} is at version {self.version}, not {min_version}, after "
+                f"{timeout:.1f} s: {self.policy.waiting_for(self)}"
+            )
+        return self.version, self.require_model()
+
+    # -- same-host shared memory -------------------------------------------------------------------------------
+
+    def attach(self, worker_id: str, name: str, nonce: bytes, elements: int, digest: str) -> None:
+        """Map a live worker's shared-memory segment for its Exchanges (replacing any earlier one)."""
+        if not self.config.shared_memory:
+            raise SharedMemoryUnavailable(f"shard {self.index} runs with shared memory disabled (--no-shared-memory)")
+        model = self.require_model(digest)
+        if elements != model.numel:
+            raise InvalidArgument(f"a segment of {elements} elements per region for a shard of {model.numel}")
+        self.check_worker(worker_id)
+        segment = shm.Segment.open(name, nonce, elements)
+        with self._cond:
+            self.membership.get(worker_id)  # it may have left while the segment was mapped
+            self._segments[worker_id] = segment
+        log.debug("shard %d: worker %s attached shared-memory segment %s", self.index, worker_id, name)
+
+    def verify_segment(self, worker_id: str, name: str, nonce: bytes) -> None:
+        """Raise NotAttached unless the live worker's attached segment is this one (a doorbell's proof)."""
+        with self._cond:
+            self.membership.get(worker_id)
+            segment = self._segments.get(worker_id)
+        if segment is None or segment.name != name or segment.nonce != nonce:
+            raise NotAttached(f"worker {worker_id} has no such segment attached on shard {self.index}")
+
+    def segment(self, worker_id: str, model: ShardModel) -> shm.Segment:
+        """The live worker's attached segment for `model`; NotAttached if it has none."""
+        with self._cond:
+            self.membership.get(worker_id)
+            segment = self._segments.get(worker_id)
+        if segment is None or segment.elements != model.numel:
+            raise NotAttached(f"worker {worker_id} has no shared-memory segment attached on shard {self.index}")
+        return segment
 
     def heartbeat(self, worker_id: str) -> int:
         """Renew a worker's lease; return the version (UnknownWorker if it was evicted)."""
@@ -449,6 +497,7 @@ class Shard:
         with self._cond:
             gone = self.membership.evict_expired(self.config.lease_timeout, now)
             for worker_id, silent in gone:
+                self._segments.pop(worker_id, None)
                 self.stats.evictions += 1
                 self.metrics.evictions.inc()
                 log.warning(
@@ -514,6 +563,7 @@ class Shard:
         """Write a final checkpoint (once no RPC can change the state any more) and stop the background threads."""
         self.stop_waiting()
         with self._cond:
+            self._segments.clear()
             if self._writer is not None and self.model is not None and not self._final_written:
                 self._final_written = True
                 self._checkpoint_locked()

@@ -101,6 +101,13 @@ def is_finite(values: np.ndarray) -> bool:
     return bool(np.isfinite(values.min()) and np.isfinite(values.max()))
 
 
+def check_finite(views: Sequence[np.ndarray], names: Sequence[str]) -> None:
+    """Raise NonFiniteGradient naming the first piece that holds NaN or Inf."""
+    for view, name in zip(views, names, strict=True):
+        if not is_finite(view):
+            raise NonFiniteGradient(f"{name} holds NaN or Inf")
+
+
 class ChunkReceiver:
     """Write a stream of chunks into preallocated float32 targets, refusing anything malformed.
 

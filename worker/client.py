@@ -1,11 +1,14 @@
 """PSClient: a worker's view of the parameter server: topology, join, register, pull and push to every shard.
 
-Each call fans out to all shards at once (one stream per shard per call). Weights are written straight into the
-model's own CPU tensors, and gradients are read straight from them; CUDA tensors go through a host mirror.
+Each call fans out to all shards at once. A shard on this host (the same /dev/shm) gets the tensor bytes through a
+shared-memory segment and one small unary Exchange call; any other shard gets one Push or Pull stream per call.
+Weights are written straight into the model's own CPU tensors, and gradients are read straight from them; CUDA
+tensors go through a host mirror.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -21,13 +24,17 @@ import grpc
 import numpy as np
 import torch
 
-from paramserver import codec
+from paramserver import codec, shm
+from paramserver.doorbell import DoorbellClient
 from paramserver.errors import (
     AlreadyInitialized,
     MalformedStream,
     ModelMismatch,
+    NotAttached,
     NotInitialized,
     PSError,
+    RemoteError,
+    SharedMemoryUnavailable,
     UnknownWorker,
     from_rpc_error,
 )
@@ -51,7 +58,7 @@ _SERVICE_CONFIG = json.dumps(
                 # seen to never return, not even at its deadline. Streams are retried by PSClient._on_shard.
                 "name": [
                     {"service": "paramserver.v1.ParameterServer", "method": m}
-                    for m in ("GetTopology", "Join", "Leave", "Heartbeat")
+                    for m in ("GetTopology", "Join", "Leave", "Heartbeat", "Attach")
                 ],
                 "retryPolicy": {
                     "maxAttempts": 5,
@@ -125,6 +132,14 @@ class _Binding:
     def labels(self, shard: int) -> list[str]:
         return [f"{p.name}[{p.start}:{p.start + p.length}]" for p in self.placement.shards[shard]]
 
+    def regions(self, shard: int, region: np.ndarray) -> list[np.ndarray]:
+        """One view per piece of `shard`, into a segment region (the pieces back to back, as the shard stores)."""
+        out, at = [], 0
+        for p in self.placement.shards[shard]:
+            out.append(region[at : at + p.length])
+            at += p.length
+        return out
+
 
 def _tensors_of(obj: Tensors) -> tuple[list[str], list[torch.Tensor]]:
     if isinstance(obj, torch.nn.Module):
@@ -143,13 +158,21 @@ def _tensors_of(obj: Tensors) -> tuple[list[str], list[torch.Tensor]]:
     return [n for n, _ in items], [t for _, t in items]
 
 
+def _begin_and_wait(start: Callable[[int], Callable[[], T]], k: int) -> T:
+    return start(k)()
+
+
 class PSClient:
     """Talk to every shard of a parameter server, knowing any one shard's address.
 
     `with PSClient("host:50051") as client:` joins the job (a rank for data sharding) and leaves on exit.
     `register(model)` initialises the servers from the model or adopts what they hold; `pull(model)` copies the
-    current weights into it in place; `push(model)` sends every parameter's `.grad`. Also works on a plain
-    mapping of name -> float32 tensor (push then sends the tensors themselves as the gradient).
+    current weights into it in place; `push(model)` sends every parameter's `.grad`; `push_pull(model)` does both
+    in one exchange per shard (what a training step needs). Also works on a plain mapping of name -> float32
+    tensor (push then sends the tensors themselves as the gradient).
+
+    Shards on this host exchange tensors through shared memory (`shared_memory=False` forces the gRPC streams);
+    `dtype` ('float32', 'bf16', 'fp16') is the element type on the streams; shared memory always holds float32.
     """
 
     def __init__(
@@ -168,8 +191,11 @@ class PSClient:
         tls_key: str | None = None,
         tls_server_name: str | None = None,
         auth_token: str | None = None,
+        shared_memory: bool = True,
     ) -> None:
         self.worker_id = worker_id or uuid.uuid4().hex
+        # Offer each shard a shared-memory segment; shards on other hosts refuse it and get streams.
+        self.shared_memory = shared_memory and shm.available()
         self._credentials = channel_credentials(tls_ca, tls_cert, tls_key)
         self._token = auth_token
         self._options = channel_options()
@@ -206,6 +232,12 @@ class PSClient:
         self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
         self._raw = [_RawStreams(c) for c in self._channels]
         self._pool = futures.ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps-client")
+        # Per shard: the attached shared-memory segment (one per worker and shard: the shard holds one model),
+        # the model digest it is laid out for, and its doorbell connection; shards that cannot share memory.
+        self._segments: list[shm.Segment | None] = [None] * len(self.addresses)
+        self._segment_digest = [""] * len(self.addresses)
+        self._bells: list[DoorbellClient | None] = [None] * len(self.addresses)
+        self._streams_only: set[int] = set()
         self.versions = [0] * len(self.addresses)  # what each shard's last pull returned
         self._min_next = [0] * len(self.addresses)  # the version a pull must wait for after a push
         self._incarnation = [""] * len(self.addresses)  # which run of each shard those versions belong to
@@ -353,46 +385,7 @@ class PSClient:
 
         After a push, waits for the version that includes it (in sync mode: the end of that round).
         """
-        b = self._bind(obj)
-        flats = [b.flat(i) for i in range(len(b.tensors))]
-        dtype = self.dtype
-
-        def pull_one(k: int) -> int:
-            req = ps_pb2.PullRequest(
-                worker_id=self.worker_id if self._joined else "",
-                min_version=self._min_next[k],
-                dtype=dtype,
-                incarnation=self._incarnation[k],
-            )
-            stream = self._raw[k].pull(req, timeout=self.timeout)
-            first = codec.decode(next(stream), ps_pb2.PullMessage)
-            if isinstance(first, codec.Chunk) or first.WhichOneof("kind") != "header":
-                raise MalformedStream(f"shard {self.addresses[k]} sent a pull stream without its header")
-            if first.header.model_digest != b.placement.digest:
-                raise ModelMismatch(
-                    f"shard {self.addresses[k]} holds another model than the one being pulled "
-                    f"into ({first.header.model_digest[:12]} vs {b.placement.digest[:12]})"
-                )
-            receiver = ChunkReceiver(b.views(k, flats), b.labels(k), dtype)
-            for raw in stream:
-                chunk = codec.decode(raw, ps_pb2.PullMessage)
-                if not isinstance(chunk, codec.Chunk):
-                    raise MalformedStream(f"shard {self.addresses[k]} sent a second header in a pull stream")
-                receiver.add(chunk.piece, chunk.offset, chunk.data)
-            receiver.finish()
-            if first.header.incarnation != self._incarnation[k]:
-                self._incarnation[k] = first.header.incarnation
-                self._min_next[k] = 0
-            self.versions[k] = first.header.version
-            return int(first.header.version)
-
-        versions = self._each(pull_one)
-        with torch.no_grad():
-            for i, t in enumerate(b.tensors):
-                mirror = b.host[i]
-                if mirror is not None:
-                    t.copy_(mirror.view(t.shape).to(t.device, non_blocking=True))
-        return min(versions)
+        return self._exchange(self._bind(obj), grads=None, step=0, pull=True)
 
     def push(self, obj: Tensors, step: int | None = None) -> int:
         """Send the gradient (each parameter's .grad; a mapping's tensors themselves) to every shard.
@@ -401,9 +394,25 @@ class PSClient:
         (default: this client's own counter).
         """
         b = self._bind(obj)
+        return self._exchange(b, grads=self._gradients(obj, b), step=self._next_step(step), pull=False)
+
+    def push_pull(self, obj: Tensors, step: int | None = None) -> int:
+        """Push the gradient, then pull the weights that include it into `obj`: one exchange per shard, all
+        shards at once (one shard's pull overlaps another's push). Returns the lowest shard version pulled.
+
+        Raises like `push`; after Aborted (the round closed without this push) call `pull` to catch up.
+        """
+        b = self._bind(obj)
+        return self._exchange(b, grads=self._gradients(obj, b), step=self._next_step(step), pull=True)
+
+    def _next_step(self, step: int | None) -> int:
         if step is None:
             self._step += 1
-            step = self._step
+            return self._step
+        return step
+
+    def _gradients(self, obj: Tensors, b: _Binding) -> list[np.ndarray]:
+        """Flat float32 host views of each tensor's gradient (through the host mirror where needed)."""
         grads: list[np.ndarray] = []
         for i, t in enumerate(b.tensors):
             g = t.grad if isinstance(obj, torch.nn.Module) else t
@@ -417,28 +426,194 @@ class PSClient:
                 grads.append(mirror.numpy())
             else:
                 grads.append(g.detach().view(-1).numpy())
-        dtype = self.dtype
+        return grads
 
-        def push_one(k: int) -> int:
-            base = self.versions[k]
-            header = ps_pb2.PushHeader(
-                worker_id=self.worker_id,
-                step=step,
-                base_version=base,
-                model_digest=b.placement.digest,
-                dtype=dtype,
+    def _exchange(self, b: _Binding, grads: list[np.ndarray] | None, step: int, pull: bool) -> int:
+        """Push `grads` (if given), then pull (if asked), on every shard at once; return the lowest version."""
+        flats = [b.flat(i) for i in range(len(b.tensors))] if pull else None
+        versions = self._fan_out(lambda k: self._start(b, k, grads, step, flats))
+        if pull:
+            with torch.no_grad():
+                for i, t in enumerate(b.tensors):
+                    mirror = b.host[i]
+                    if mirror is not None:
+                        t.copy_(mirror.view(t.shape).to(t.device, non_blocking=True))
+        return min(versions)
+
+    def _start(
+        self, b: _Binding, k: int, grads: list[np.ndarray] | None, step: int, flats: list[np.ndarray] | None
+    ) -> Callable[[], int]:
+        """Begin shard k's part of an exchange; return a function that waits for it and returns its version."""
+        segment = self._segment(b, k)
+        if segment is None:
+            return self._pool.submit(self._streams, b, k, grads, step, flats).result
+        base = self.versions[k]
+        if grads is not None:
+            for src, dst in zip(b.views(k, grads), b.regions(k, segment.grad), strict=True):
+                np.copyto(dst, src)
+        req = ps_pb2.ExchangeRequest(
+            worker_id=self.worker_id,
+            model_digest=b.placement.digest,
+            push=grads is not None,
+            step=step,
+            base_version=base,
+            pull=flats is not None,
+            min_version=base + 1 if grads is not None else self._min_next[k],
+            incarnation=self._incarnation[k],
+        )
+        answer = self._ring(b, k, req)
+
+        def finish() -> int:
+            reply = answer()
+            version = int(reply.version)
+            if grads is not None:
+                self._min_next[k] = base + 1
+            if flats is not None:
+                self._pulled(b, k, reply.pulled)
+                for src, dst in zip(b.regions(k, segment.weights), b.views(k, flats), strict=True):
+                    np.copyto(dst, src)
+                version = int(reply.pulled.version)
+            return version
+
+        return finish
+
+    def _ring(self, b: _Binding, k: int, req: ps_pb2.ExchangeRequest) -> Callable[[], ps_pb2.ExchangeResponse]:
+        """Send an Exchange to shard k (by doorbell if connected, else by gRPC); return what waits for the reply."""
+        bell = self._bells[k]
+        if bell is None:
+            return self._stubs[k].Exchange.future(req, timeout=self.timeout).result
+
+        def lost(exc: BaseException) -> PSError:
+            # The shard went away (or the connection is out of step after a timeout): attach afresh.
+            self._drop_segment(k)
+            return RemoteError(f"shard {self.addresses[k]}: doorbell: {exc}", grpc.StatusCode.UNAVAILABLE)
+
+        try:
+            bell.send(req, self.timeout)
+        except OSError as exc:
+            raise lost(exc) from None
+
+        def receive() -> ps_pb2.ExchangeResponse:
+            try:
+                return bell.receive()
+            except (OSError, ConnectionError) as exc:
+                raise lost(exc) from None
+
+        return receive
+
+    def _segment(self, b: _Binding, k: int) -> shm.Segment | None:
+        """Shard k's shared-memory segment for this model, attaching one first if needed; None: use streams."""
+        if not self.shared_memory or not self._joined or k in self._streams_only:
+            return None  # a segment belongs to a joined worker: a reader that did not join uses the streams
+        segment = self._segments[k]
+        if segment is not None and self._segment_digest[k] == b.placement.digest:
+            return segment
+        self._drop_segment(k)
+        segment = shm.Segment.create(b.placement.shard_elements(k))
+        req = ps_pb2.AttachRequest(
+            worker_id=self.worker_id,
+            name=segment.name,
+            nonce=segment.nonce,
+            elements=segment.elements,
+            model_digest=b.placement.digest,
+        )
+        try:
+            reply = self._on_shard(k, lambda: self._stubs[k].Attach(req, timeout=self.timeout))
+        except SharedMemoryUnavailable as exc:
+            log.info("shard %s cannot share memory with this worker (%s): using gRPC streams", self.addresses[k], exc)
+            self._streams_only.add(k)
+            segment.close()
+            return None
+        except BaseException:
+            segment.close()
+            raise
+        finally:
+            segment.unlink()  # mapped on both sides now (or never will be): nothing is left in /dev/shm
+        self._segments[k], self._segment_digest[k] = segment, b.placement.digest
+        if reply.doorbell:
+            try:
+                self._bells[k] = DoorbellClient(reply.doorbell, req, self.addresses[k], timeout=self.timeout)
+            except (OSError, ConnectionError, PSError) as exc:  # e.g. another network namespace: gRPC it is
+                log.info("shard %s: no doorbell (%s); Exchanges go by gRPC", self.addresses[k], exc)
+        return segment
+
+    def _drop_segment(self, k: int) -> None:
+        """Forget shard k's segment and doorbell (unmapping it); the next exchange attaches a new one."""
+        segment, bell = self._segments[k], self._bells[k]
+        self._segments[k] = self._bells[k] = None
+        if bell is not None:
+            bell.close()
+        if segment is not None:
+            segment.close()
+
+    def _check_digest(self, b: _Binding, k: int, header: ps_pb2.PullHeader) -> None:
+        if header.model_digest != b.placement.digest:
+            raise ModelMismatch(
+                f"shard {self.addresses[k]} holds another model than the one being pulled "
+                f"into ({header.model_digest[:12]} vs {b.placement.digest[:12]})"
             )
 
-            def messages() -> Iterator[bytes]:
-                yield ps_pb2.PushMessage(header=header).SerializeToString()
-                for piece, offset, data in iter_chunks(b.views(k, grads), dtype, self.chunk_bytes):
-                    yield codec.encode_chunk(piece, offset, data)
+    def _pulled(self, b: _Binding, k: int, header: ps_pb2.PullHeader) -> None:
+        """Check a pull's header against the model; note shard k's version and incarnation."""
+        self._check_digest(b, k, header)
+        if header.incarnation != self._incarnation[k]:
+            self._incarnation[k] = header.incarnation
+            self._min_next[k] = 0
+        self.versions[k] = header.version
 
-            reply = self._raw[k].push(messages(), timeout=self.timeout)
-            self._min_next[k] = base + 1
-            return int(reply.version)
+    def _streams(
+        self, b: _Binding, k: int, grads: list[np.ndarray] | None, step: int, flats: list[np.ndarray] | None
+    ) -> int:
+        """Shard k's part of an exchange over gRPC: a Push stream, then a Pull stream."""
+        version = 0
+        if grads is not None:
+            version = self._push_stream(b, k, grads, step)
+        if flats is not None:
+            version = self._pull_stream(b, k, flats)
+        return version
 
-        return min(self._each(push_one))
+    def _push_stream(self, b: _Binding, k: int, grads: list[np.ndarray], step: int) -> int:
+        dtype = self.dtype
+        base = self.versions[k]
+        header = ps_pb2.PushHeader(
+            worker_id=self.worker_id,
+            step=step,
+            base_version=base,
+            model_digest=b.placement.digest,
+            dtype=dtype,
+        )
+
+        def messages() -> Iterator[bytes]:
+            yield ps_pb2.PushMessage(header=header).SerializeToString()
+            for piece, offset, data in iter_chunks(b.views(k, grads), dtype, self.chunk_bytes):
+                yield codec.encode_chunk(piece, offset, data)
+
+        reply = self._raw[k].push(messages(), timeout=self.timeout)
+        self._min_next[k] = base + 1
+        return int(reply.version)
+
+    def _pull_stream(self, b: _Binding, k: int, flats: list[np.ndarray]) -> int:
+        dtype = self.dtype
+        req = ps_pb2.PullRequest(
+            worker_id=self.worker_id if self._joined else "",
+            min_version=self._min_next[k],
+            dtype=dtype,
+            incarnation=self._incarnation[k],
+        )
+        stream = self._raw[k].pull(req, timeout=self.timeout)
+        first = codec.decode(next(stream), ps_pb2.PullMessage)
+        if isinstance(first, codec.Chunk) or first.WhichOneof("kind") != "header":
+            raise MalformedStream(f"shard {self.addresses[k]} sent a pull stream without its header")
+        self._check_digest(b, k, first.header)
+        receiver = ChunkReceiver(b.views(k, flats), b.labels(k), dtype)
+        for raw in stream:
+            chunk = codec.decode(raw, ps_pb2.PullMessage)
+            if not isinstance(chunk, codec.Chunk):
+                raise MalformedStream(f"shard {self.addresses[k]} sent a second header in a pull stream")
+            receiver.add(chunk.piece, chunk.offset, chunk.data)
+        receiver.finish()
+        self._pulled(b, k, first.header)
+        return int(first.header.version)
 
     # -- plumbing ----------------------------------------------------------------------------------------------
 
@@ -448,36 +623,66 @@ class PSClient:
         except grpc.RpcError as err:
             raise from_rpc_error(err, address) from None
 
-    def _on_shard(self, k: int, fn: Callable[[], T], rejoin: bool = True) -> T:
+    def _on_shard(self, k: int, fn: Callable[[], T], rejoin: bool = True, failed: PSError | None = None) -> T:
         """Run fn against shard k: retry UNAVAILABLE with backoff (a shard restarting) until the timeout, and
-        join again once if the shard no longer knows this worker. Retrying a push is safe: the shard applies a
-        (worker, step) once."""
+        (once each) join again, re-initialise or re-attach when the shard forgot this worker, the model or the
+        segment. `failed`: fn already failed so once. Retrying a push is safe: the shard applies a (worker,
+        step) once."""
         deadline = time.monotonic() + self.timeout
-        delay, rejoined, reinitialised = 0.05, False, False
+        delay, recovered = 0.05, set[type[PSError]]()
         while True:
+            if failed is None:
+                try:
+                    return self._call(self.addresses[k], fn)
+                except PSError as err:
+                    failed = err
+            exc, failed = failed, None
+            if exc.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline:
+                log.info("shard %s unavailable (%s); retrying in %.2f s", self.addresses[k], exc, delay)
+                time.sleep(delay)
+                delay = min(2 * delay, 2.0)
+            elif isinstance(exc, UnknownWorker) and rejoin and self._joined and UnknownWorker not in recovered:
+                recovered.add(UnknownWorker)
+                self._rejoin(k)
+            elif isinstance(exc, NotInitialized) and self._registered is not None and NotInitialized not in recovered:
+                recovered.add(NotInitialized)
+                # The shard restarted with no checkpoint: give it this worker's current weights again.
+                log.warning(
+                    "shard %s lost the model (restarted without a checkpoint); re-initialising it", self.addresses[k]
+                )
+                self._init_shard(self._registered, k)
+                self._min_next[k] = 0
+            elif isinstance(exc, NotAttached) and NotAttached not in recovered:
+                recovered.add(NotAttached)  # the shard restarted or evicted us: the next try attaches anew
+                self._drop_segment(k)
+            else:
+                raise exc
+
+    def _fan_out(self, start: Callable[[int], Callable[[], T]]) -> list[T]:
+        """Run an operation on every shard at once: `start(k)` begins it on shard k and returns a function that
+        waits for its result. A shard that fails is then retried on its own (see _on_shard); the first failure
+        that remains is raised, once every shard has finished."""
+        waits: list[Callable[[], T] | PSError] = []
+        for k in range(len(self._stubs)):
             try:
-                return self._call(self.addresses[k], fn)
+                waits.append(self._call(self.addresses[k], functools.partial(start, k)))
             except PSError as exc:
-                if exc.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline:
-                    log.info("shard %s unavailable (%s); retrying in %.2f s", self.addresses[k], exc, delay)
-                    time.sleep(delay)
-                    delay = min(2 * delay, 2.0)
-                    continue
-                if isinstance(exc, UnknownWorker) and rejoin and self._joined and not rejoined:
-                    self._rejoin(k)
-                    rejoined = True
-                    continue
-                if isinstance(exc, NotInitialized) and self._registered is not None and not reinitialised:
-                    # The shard restarted with no checkpoint: give it this worker's current weights again.
-                    log.warning(
-                        "shard %s lost the model (restarted without a checkpoint); re-initialising it",
-                        self.addresses[k],
-                    )
-                    self._init_shard(self._registered, k)
-                    self._min_next[k] = 0
-                    reinitialised = True
-                    continue
-                raise
+                waits.append(exc)
+        results: list[T] = []
+        error: PSError | None = None
+        for k, wait in enumerate(waits):
+            try:
+                if isinstance(wait, PSError):
+                    raise wait
+                results.append(self._call(self.addresses[k], wait))
+            except PSError as exc:
+                try:
+                    results.append(self._on_shard(k, functools.partial(_begin_and_wait, start, k), failed=exc))
+                except PSError as final:
+                    error = error or final
+        if error is not None:
+            raise error
+        return results
 
     def _each(
         self, fn: Callable[[int], T], shards: Sequence[int] | range | None = None, rejoin: bool = True
@@ -506,6 +711,8 @@ class PSClient:
             log.warning("leaving the job failed: %s", exc)
         finally:
             self._pool.shutdown(wait=True)
+            for k in range(len(self._segments)):
+                self._drop_segment(k)
             for c in self._channels:
                 c.close()
 

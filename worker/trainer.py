@@ -51,6 +51,11 @@ class TrainConfig:
         "dtype of tensors on the wire: float32, bf16 or fp16 (the servers keep float32)",
         choices=("float32", "bf16", "fp16"),
     )
+    shared_memory: bool = config_field(
+        True,
+        "exchange tensors with shards on this host through shared memory (/dev/shm) and a Unix socket; "
+        "shards elsewhere always get gRPC streams",
+    )
     job_name: str = config_field("", "job to join; refused if the servers run another (default: any)")
     threads: int = config_field(1, "torch CPU threads (1 is fastest when shards and workers share the cores)")
     timeout: float = config_field(120.0, "seconds to wait for a shard before giving up on a call")
@@ -146,6 +151,7 @@ def train(
         config.server,
         job_name=config.job_name,
         dtype=config.wire_dtype,
+        shared_memory=config.shared_memory,
         timeout=config.timeout,
         tls_ca=config.tls_ca,
         tls_cert=config.tls_cert,
@@ -194,12 +200,12 @@ def train(
                     loss = F.cross_entropy(model(xb), yb)
                     loss.backward()
                     try:
-                        client.push(model)
+                        client.push_pull(model)
                     except Aborted as exc:
                         # The round closed without us (too slow, evicted, or a shard restarted): catch up, go on.
                         stale += 1
                         log.debug("push refused: %s", exc)
-                    client.pull(model)
+                        client.pull(model)
                     step += 1
                     samples += len(xb)
                     loss_value = loss.item()

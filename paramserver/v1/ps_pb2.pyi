@@ -226,3 +226,53 @@ class PushResponse(_message.Message):
     version: int
     applied: bool
     def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("worker_id", "name", "nonce", "elements", "model_digest")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    name: str
+    nonce: bytes
+    elements: int
+    model_digest: str
+    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., nonce: _Optional[bytes] = ..., elements: _Optional[int] = ..., model_digest: _Optional[str] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("doorbell",)
+    DOORBELL_FIELD_NUMBER: _ClassVar[int]
+    doorbell: str
+    def __init__(self, doorbell: _Optional[str] = ...) -> None: ...
+
+class ExchangeRequest(_message.Message):
+    __slots__ = ("worker_id", "model_digest", "push", "step", "base_version", "pull", "min_version", "incarnation")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    model_digest: str
+    push: bool
+    step: int
+    base_version: int
+    pull: bool
+    min_version: int
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., push: _Optional[bool] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., pull: _Optional[bool] = ..., min_version: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class ExchangeResponse(_message.Message):
+    __slots__ = ("version", "applied", "pulled")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    PULLED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    applied: bool
+    pulled: PullHeader
+    def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., pulled: _Optional[_Union[PullHeader, _Mapping]] = ...) -> None: ...

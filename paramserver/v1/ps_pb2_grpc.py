@@ -69,6 +69,16 @@ class ParameterServerStub:
                 request_serializer=paramserver_dot_v1_dot_ps__pb2.PushMessage.SerializeToString,
                 response_deserializer=paramserver_dot_v1_dot_ps__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_unary(
+                '/paramserver.v1.ParameterServer/Attach',
+                request_serializer=paramserver_dot_v1_dot_ps__pb2.AttachRequest.SerializeToString,
+                response_deserializer=paramserver_dot_v1_dot_ps__pb2.AttachResponse.FromString,
+                _registered_method=True)
+        self.Exchange = channel.unary_unary(
+                '/paramserver.v1.ParameterServer/Exchange',
+                request_serializer=paramserver_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
+                response_deserializer=paramserver_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -128,6 +138,22 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """Unary. Offer a shared-memory segment (same host only, see AttachRequest). FAILED_PRECONDITION when the shard
+        cannot use it (another host, or shared memory disabled on the shard): use Push and Pull instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Exchange(self, request, context):
+        """Unary. Push and/or pull through the attached segment, with the statuses of Push and Pull;
+        FAILED_PRECONDITION when no segment is attached for this worker and model (attach again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +191,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=paramserver_dot_v1_dot_ps__pb2.PushMessage.FromString,
                     response_serializer=paramserver_dot_v1_dot_ps__pb2.PushResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=paramserver_dot_v1_dot_ps__pb2.AttachRequest.FromString,
+                    response_serializer=paramserver_dot_v1_dot_ps__pb2.AttachResponse.SerializeToString,
+            ),
+            'Exchange': grpc.unary_unary_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=paramserver_dot_v1_dot_ps__pb2.ExchangeRequest.FromString,
+                    response_serializer=paramserver_dot_v1_dot_ps__pb2.ExchangeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -356,6 +392,60 @@ class ParameterServer:
             '/paramserver.v1.ParameterServer/Push',
             paramserver_dot_v1_dot_ps__pb2.PushMessage.SerializeToString,
             paramserver_dot_v1_dot_ps__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserver.v1.ParameterServer/Attach',
+            paramserver_dot_v1_dot_ps__pb2.AttachRequest.SerializeToString,
+            paramserver_dot_v1_dot_ps__pb2.AttachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exchange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserver.v1.ParameterServer/Exchange',
+            paramserver_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
+            paramserver_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
             options,
             channel_credentials,
             insecure,
