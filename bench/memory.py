@@ -1,11 +1,13 @@
 """Memory: peak RSS of each shard process while 1, 2 or 4 workers push a ~25 M-parameter model in sync mode.
 
-The shards' resident memory is sampled every 20 ms (psutil when installed, else /proc) and the kernel's own peak
-(VmHWM) is read at the end; the figure is the larger. What a shard must hold is its parameters and the optimizer's
-state; with SGD that is the parameters plus one gradient-sized buffer (the round's running sum). The reported
-overhead is (peak RSS - RSS of the same shard process idle, before any model) / (parameters + that buffer); a
-second ratio starts from the RSS of a working shard (one that holds a 64-element model and has served a few
-rounds), which leaves out what every shard pays once whatever its model.
+The shards' resident memory is sampled every 20 ms from /proc (VmRSS, and RssShmem: shared-memory pages) and the
+kernel's own peak (VmHWM) is read at the end. What a shard must hold is its parameters and the optimizer's state;
+with SGD that is the parameters plus one gradient-sized buffer (the round's running sum). The reported overhead is
+(peak private RSS - RSS of the same shard process idle, before any model) / (parameters + that buffer), where
+private = VmRSS - RssShmem: on the shared-memory path the workers' segments (two regions of the shard's part per
+same-host worker, created by the workers) are mapped into the shard too, and are reported apart. A second ratio
+starts from the RSS of a working shard (one that holds a 64-element model and has served a few rounds), which
+leaves out what every shard pays once whatever its model. Both paths are measured: "shm" and the gRPC streams.
 """
 
 from __future__ import annotations
@@ -24,12 +26,17 @@ SAMPLE_S = 0.02
 
 def rss_bytes(pid: int) -> int:
     """Resident set size of a process, in bytes."""
-    try:
-        import psutil
+    return _status_kb(pid, "VmRSS") * 1024
 
-        return int(psutil.Process(pid).memory_info().rss)
-    except ImportError:
-        return _status_kb(pid, "VmRSS") * 1024
+
+def rss_parts(pid: int) -> tuple[int, int]:
+    """(RSS, of which shared-memory pages) of a process, in bytes."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "RssShmem"):
+            fields[name] = int(value.split()[0]) * 1024
+    return fields["VmRSS"], fields.get("RssShmem", 0)
 
 
 def peak_rss_bytes(pid: int) -> int:
@@ -48,21 +55,31 @@ def _status_kb(pid: int, field: str) -> int:
 
 
 class Sampler:
-    """Sample the RSS of some processes every 20 ms in a thread; remember each one's peak."""
+    """Sample the RSS of some processes every 20 ms in a thread; remember each one's peak RSS, peak private RSS
+    (without shared-memory pages) and peak shared-memory pages."""
 
     def __init__(self, pids: list[int]) -> None:
         self.pids = pids
-        self.peak = {pid: rss_bytes(pid) for pid in pids}
+        self.peak = {pid: 0 for pid in pids}
+        self.peak_private = {pid: 0 for pid in pids}
+        self.peak_shared = {pid: 0 for pid in pids}
+        self._sample()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
+    def _sample(self) -> None:
+        for pid in self.pids:
+            try:
+                rss, shared = rss_parts(pid)
+            except (OSError, KeyError):  # the shard is gone
+                continue
+            self.peak[pid] = max(self.peak[pid], rss)
+            self.peak_private[pid] = max(self.peak_private[pid], rss - shared)
+            self.peak_shared[pid] = max(self.peak_shared[pid], shared)
+
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_S):
-            for pid in self.pids:
-                try:
-                    self.peak[pid] = max(self.peak[pid], rss_bytes(pid))
-                except Exception:  # noqa: BLE001 - OSError, psutil.NoSuchProcess: the shard is gone
-                    pass
+            self._sample()
 
     def __enter__(self) -> Sampler:
         self._thread.start()
@@ -83,10 +100,10 @@ def _idle_rss(pids: list[int]) -> dict[int, int]:
     return idle
 
 
-def _push_pull(kids: list[Child], address: str, warmup: int, n: int) -> None:
+def _push_pull(kids: list[Child], address: str, warmup: int, n: int, wire: str = "shm") -> None:
     """Have every worker register, then run warmup + n push + pull rounds together."""
     for k in kids:
-        k.send(address=address, dtype="float32", warmup=warmup, n=n)
+        k.send(address=address, wire=wire, warmup=warmup, n=n)
     for k in kids:
         k.expect("registered", TIMEOUT)
     for k in kids:
@@ -111,7 +128,7 @@ def _working(procs: Processes) -> dict[int, int]:
         procs.stop_soon(cluster)
 
 
-def _case(plan: Plan, procs: Processes, workers: int, working: dict[int, int]) -> list[Figure]:
+def _case(plan: Plan, procs: Processes, workers: int, working: dict[int, int], wire: str) -> list[Figure]:
     from paramserver import ServerConfig
     from paramserver.placement import TensorSpec, place
 
@@ -125,8 +142,12 @@ def _case(plan: Plan, procs: Processes, workers: int, working: dict[int, int]) -
         idle = _idle_rss(pids)
         warmup, n = schedule(4 * plan.memory_params, plan.memory_rounds)
         with Sampler(pids) as sampler:
-            _push_pull(kids, cluster.address, warmup, n)
+            _push_pull(kids, cluster.address, warmup, n, wire)
         peaks = {pid: max(sampler.peak[pid], peak_rss_bytes(pid)) for pid in pids}
+        private = dict(sampler.peak_private)
+        shared = dict(sampler.peak_shared)
+        if wire != "shm":  # no shared pages: the kernel's peak is the private peak too
+            private = dict(peaks)
     finally:
         procs.close_children(kids)
         procs.stop_soon(cluster)
@@ -135,6 +156,7 @@ def _case(plan: Plan, procs: Processes, workers: int, working: dict[int, int]) -
         held = 2 * 4 * placement.shard_elements(i)  # parameters + one gradient-sized buffer (SGD)
         params = {
             "workers": workers,
+            "wire": wire,
             "shard": i,
             "shards": SHARDS,
             "mode": "sync",
@@ -146,15 +168,17 @@ def _case(plan: Plan, procs: Processes, workers: int, working: dict[int, int]) -
         }
         extra = {
             "peak_rss_mb": round(peaks[pid] / MB, 3),
+            "peak_private_mb": round(private[pid] / MB, 3),
+            "peak_shared_mb": round(shared[pid] / MB, 3),
             "idle_rss_mb": round(idle[pid] / MB, 3),
             "working_rss_mb": round(working[i] / MB, 3),
-            "over_working": round((peaks[pid] - working[i]) / held, 3),
+            "over_working": round((private[pid] - working[i]) / held, 3),
         }
         figures.append(
             Figure(
-                f"{SECTION}.peak.w{workers}.shard{i}",
+                f"{SECTION}.peak.{wire}.w{workers}.shard{i}",
                 SECTION,
-                f"peak RSS of shard {i}, {workers} worker(s)",
+                f"peak RSS of shard {i}, {workers} worker(s), {wire}",
                 "MB",
                 [extra["peak_rss_mb"]],
                 params,
@@ -163,17 +187,17 @@ def _case(plan: Plan, procs: Processes, workers: int, working: dict[int, int]) -
         )
         figures.append(
             Figure(
-                f"{SECTION}.overhead.w{workers}.shard{i}",
+                f"{SECTION}.overhead.{wire}.w{workers}.shard{i}",
                 SECTION,
-                f"(peak - idle RSS) / (parameters + optimizer state), shard {i}, {workers} worker(s)",
+                f"(peak private - idle RSS) / (parameters + optimizer state), shard {i}, {workers} worker(s), {wire}",
                 "x",
-                [round((peaks[pid] - idle[pid]) / held, 3)],
+                [round((private[pid] - idle[pid]) / held, 3)],
                 params,
                 extra=extra,
             )
         )
     log(
-        f"memory {workers} worker(s): "
+        f"memory {wire}, {workers} worker(s): "
         + ", ".join(f"shard {f.params['shard']} {f.median:.2f}x" for f in figures if f.unit == "x")
     )
     return figures
@@ -183,6 +207,7 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
     """One sync job per worker count; the figures are per shard (a peak is one number per run, not a timing)."""
     working = _working(procs)
     figures: list[Figure] = []
-    for workers in plan.memory_workers:
-        figures += _case(plan, procs, workers, working)
+    for wire in ("shm", "float32"):
+        for workers in plan.memory_workers:
+            figures += _case(plan, procs, workers, working, wire)
     return figures

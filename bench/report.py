@@ -57,6 +57,9 @@ class _Index:
         return [f for f in self.by_id.values() if f["section"] == name]
 
 
+_PATHS = {"shm": "shared memory", "float32": "gRPC", "bf16": "gRPC, bf16 wire", "fp16": "gRPC, fp16 wire"}
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     return lines + ["| " + " | ".join(r) + " |" for r in rows]
@@ -92,7 +95,16 @@ def _transport(ix: _Index, doc: Doc) -> list[str]:
     if not figs:
         return []
     rows = []
-    for f in sorted(figs, key=lambda f: (f["params"]["bytes"], f["params"]["shards"], f["params"]["workers"])):
+    order = list(_PATHS)
+    for f in sorted(
+        figs,
+        key=lambda f: (
+            f["params"]["bytes"],
+            f["params"]["shards"],
+            f["params"]["workers"],
+            order.index(f["params"]["wire"]) if f["params"]["wire"] in order else len(order),
+        ),
+    ):
         p = f["params"]
         label, w = p["payload"], p["workers"]
         key = f["id"].removeprefix("transport.rt.")
@@ -106,8 +118,9 @@ def _transport(ix: _Index, doc: Doc) -> list[str]:
                 label,
                 str(p["shards"]),
                 str(w),
-                p["wire"],
+                _PATHS.get(p["wire"], p["wire"]),
                 fmt(f["median"]),
+                fmt(ix.median(f"transport.step.{key}")),
                 *cells,
                 fmt(ix.ratio(f["id"], f"baselines.tcp.rt.{label}"), "x"),
                 fmt(ix.ratio(f["id"], f"baselines.rpc.rt.{label}.w{w}"), "x"),
@@ -118,8 +131,9 @@ def _transport(ix: _Index, doc: Doc) -> list[str]:
         "payload",
         "shards",
         "workers",
-        "wire",
+        "path",
         "push+pull ms",
+        "push_pull ms",
         "push GB/s",
         "pull GB/s",
         "÷ raw TCP round trip",
@@ -131,7 +145,10 @@ def _transport(ix: _Index, doc: Doc) -> list[str]:
         "",
         "Shards are processes (`LocalCluster(processes=True)`); every worker is a process. The model is 4 equal "
         "tensors (at 100 MB each is sliced across the shards; at 4 MB each is placed whole); 340KB is the digits "
-        "MLP. Push and pull GB/s (float32 model bytes, even on the bf16 wire) are timed separately with 1 worker; "
+        "MLP. Paths: shared memory (a worker on the shards' host: segments in /dev/shm plus the Unix-socket "
+        "doorbell) and gRPC (the streams a worker on another host uses, here over loopback). push+pull: a push "
+        "call, then a pull call; push_pull: the fused call a training step makes (one exchange per shard). Push "
+        "and pull GB/s (float32 model bytes, even on the bf16 wire) are timed separately with 1 worker; "
         "a push returns once the shards have applied the SGD step. "
         "Ratios divide our time by the baseline's (above 1 = slower than the baseline); with 2 workers each round "
         "waits for both.",
@@ -251,15 +268,18 @@ def _memory(ix: _Index) -> list[str]:
     if not figs:
         return []
     rows = []
-    for f in sorted(figs, key=lambda f: (f["params"]["workers"], f["params"]["shard"])):
+    for f in sorted(figs, key=lambda f: (f["params"].get("wire", ""), f["params"]["workers"], f["params"]["shard"])):
         p, e = f["params"], f["extra"]
         rows.append(
             [
+                _PATHS.get(p.get("wire", "float32"), p.get("wire", "")),
                 str(p["workers"]),
                 str(p["shard"]),
                 fmt(p["params_plus_state_mb"]),
                 fmt(e["idle_rss_mb"]),
                 fmt(e["peak_rss_mb"]),
+                fmt(e.get("peak_shared_mb", 0.0)),
+                fmt(e.get("peak_private_mb", e["peak_rss_mb"])),
                 fmt(f["median"], "x"),
                 fmt(e["working_rss_mb"]),
                 fmt(e["over_working"], "x"),
@@ -267,26 +287,124 @@ def _memory(ix: _Index) -> list[str]:
         )
     first = figs[0]["params"]
     header = [
+        "path",
         "workers",
         "shard",
         "params + SGD state MB",
         "idle RSS MB",
         "peak RSS MB",
-        "(peak − idle) ÷ state",
+        "of which workers' segments MB",
+        "peak private MB",
+        "(private − idle) ÷ state",
         "working-shard RSS MB",
-        "(peak − working) ÷ state",
+        "(private − working) ÷ state",
     ]
     return [
         f"## Memory: peak RSS per shard (sync, SGD, {first['parameters']:,} parameters on {first['shards']} shards)",
         "",
-        "RSS sampled every 20 ms and the kernel's VmHWM, the larger; idle = the same process before any model. "
-        "params + state = the shard's parameters and one gradient-sized buffer (1.00x would be the minimum). "
-        "Working shard: a shard process holding a 64-element model after a few rounds, i.e. what every shard pays "
-        "once whatever its model (building the first torch optimizer imports torch._dynamo).",
+        "RSS sampled every 20 ms (and the kernel's VmHWM); idle = the same process before any model. private = RSS "
+        "without shared-memory pages: on the shm path each same-host worker's segment (two regions the size of "
+        "the shard's part, created by the worker) is mapped into the shard as well and shown apart. params + state "
+        "= the shard's parameters and one gradient-sized buffer (1.00x would be the minimum). Working shard: a "
+        "shard process holding a 64-element model after a few rounds, i.e. what every shard pays once whatever its "
+        "model (building the first torch optimizer imports torch._dynamo).",
         "",
         *_table(header, rows),
         "",
     ]
+
+
+# The targets of the performance issue, as (label, figure id, how to read it, target, whether lower is better).
+README_BEGIN = "<!-- bench:summary:begin (written by `make bench` from bench/results/latest.json) -->"
+README_END = "<!-- bench:summary:end -->"
+
+
+def summary(doc: Doc) -> str:
+    """The README's table: each performance target against the figure of this run that answers it."""
+    ix = _Index(doc)
+    rows: list[list[str]] = []
+
+    def ratio(fid: str, base: str) -> float | None:
+        return ix.ratio(fid, base)
+
+    def row(what: str, value: float | None, unit: str, target: str, ok: bool | None) -> None:
+        verdict = "—" if ok is None else ("met" if ok else "not met")
+        rows.append([what, fmt(value, unit), target, verdict])
+
+    def check(value: float | None, limit: float, lower: bool = True) -> bool | None:
+        if value is None or not _ok(value):
+            return None
+        return value <= limit if lower else value >= limit
+
+    for wire, name in (("shm", "shared memory"), ("float32", "gRPC streams"), ("bf16", "gRPC streams, bf16 wire")):
+        fid = f"transport.rt.100MB.s2.w1.{wire}"
+        if ix.get(fid) is None:
+            continue
+        limit = 0.6 if wire == "bf16" else 1.0
+        g = ratio(fid, "baselines.gloo.100MB")
+        row(f"100 MB push + pull, 2 shards, 1 worker, {name} ÷ gloo all_reduce", g, "x", f"≤ {limit}x", check(g, limit))
+        if wire != "bf16":
+            r = ratio(fid, "baselines.rpc.rt.100MB.w1")
+            row(f"the same ÷ torch.distributed.rpc PS", r, "x", "≤ 0.67x (1.5x faster)", check(r, 1 / 1.5))
+        if wire == "float32":
+            for what, base in (("push", "up"), ("pull", "down")):
+                t = ratio(f"transport.{what}.100MB.s2.w1.float32", f"baselines.tcp.{base}.100MB")
+                row(f"{what} GB/s over gRPC ÷ raw TCP", t, "x", "≥ 0.7x", check(t, 0.7, lower=False))
+    for wire, name in (("shm", "shared memory"), ("float32", "gRPC streams")):
+        fid = f"transport.rt.340KB.s2.w1.{wire}"
+        if ix.get(fid) is not None:
+            v = ix.median(fid)
+            row(f"digits MLP (340 KB) push + pull, 2 shards, {name}", v, " ms", "≤ 1.5 ms", check(v, 1.5))
+            v = ix.median(f"transport.step.340KB.s2.w1.{wire}")
+            row(f"the same as one push_pull call", v, " ms", "", None)
+    for wire, name in (("shm", "shared memory"), ("float32", "gRPC streams")):
+        fid = f"transport.rt.100MB.s2.w2.{wire}"
+        if ix.get(fid) is not None:
+            g = ratio(fid, "baselines.gloo.100MB")
+            row(f"100 MB sync round, 2 workers, {name} ÷ gloo all_reduce", g, "x", "≤ 2.0x", check(g, 2.0))
+    for mode in ("sync", "async"):
+        fid = f"training.sps.mlp.digits.w2.{mode}"
+        if ix.get(fid) is not None:
+            r = ratio(fid, "training.sps.mlp.digits.local")
+            row(f"digits MLP training, 2 workers, {mode}, samples/s ÷ local", r, "x", "≥ 0.4x", check(r, 0.4, False))
+    fid = "training.sps.mlp25m.synthetic.w2.sync"
+    if ix.get(fid) is not None:
+        r = ratio(fid, "training.sps.mlp25m.synthetic.local")
+        row("25 M-parameter MLP training, 2 workers, sync, ÷ local", r, "x", "≥ 0.8x", check(r, 0.8, lower=False))
+    fid = "training.tta.cnn.w2.sync"
+    if ix.get(fid) is not None:
+        row("CNN time to 0.95 accuracy, 2 workers, sync, ÷ local", ratio(fid, "training.tta.cnn.local"), "x", "", None)
+    for wire, name in (("shm", "shared memory"), ("float32", "gRPC")):
+        figs = [f for f in ix.section("memory") if f["unit"] == "x" and f["params"].get("wire") == wire]
+        if figs:
+            top = max(figs, key=lambda f: (f["params"]["workers"], f["extra"]["over_working"]))
+            w = top["params"]["workers"]
+            v = max(f["extra"]["over_working"] for f in figs if f["params"]["workers"] == w)
+            row(
+                f"shard private memory with {w} workers, {name}, ÷ (params + SGD state)",
+                v,
+                "x",
+                "≤ 1.1x",
+                check(v, 1.1),
+            )
+    m = doc["machine"]
+    head = (
+        f"From `make bench` on {doc['started']} ({m.get('cores')} cores, GLIBC_TUNABLES: "
+        f"{m.get('glibc_tunables')}); ratios against baselines of the same run. Full tables: "
+        "`bench/results/latest.md`."
+    )
+    return "\n".join([head, "", *_table(["what", "this run", "target", ""], rows)]) + "\n"
+
+
+def update_readme(doc: Doc, readme: Path) -> bool:
+    """Replace the summary between the README's markers; return False when the markers are missing."""
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        return False
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    readme.write_text(head + README_BEGIN + "\n" + summary(doc) + README_END + tail)
+    return True
 
 
 def plot(doc: Doc, path: Path) -> bool:
@@ -343,11 +461,13 @@ def _plot_round_trips(ax: Any, ix: _Index, doc: Doc) -> None:
     title = "push + pull round trip, 1 worker (ms, log scale)"
     labels = _payloads(doc)
     shards = 2 if 2 in doc["plan"]["transport_shards"] else doc["plan"]["transport_shards"][0]
-    ours = [ix.median(f"transport.rt.{p}.s{shards}.w1.float32") for p in labels]
-    if not any(_ok(v) for v in ours) and not ix.section("baselines"):
+    ours = [ix.median(f"transport.rt.{p}.s{shards}.w1.shm") for p in labels]
+    grpc = [ix.median(f"transport.rt.{p}.s{shards}.w1.float32") for p in labels]
+    if not any(_ok(v) for v in ours + grpc) and not ix.section("baselines"):
         return _empty(ax, title)
     series = {
-        f"paramserver ({shards} shards)": ours,
+        f"paramserver, shared memory ({shards} shards)": ours,
+        f"paramserver, gRPC ({shards} shards)": grpc,
         "torch rpc PS": [ix.median(f"baselines.rpc.rt.{p}.w1") for p in labels],
         "gloo all_reduce": [ix.median(f"baselines.gloo.{p}") for p in labels],
         "raw TCP": [ix.median(f"baselines.tcp.rt.{p}") for p in labels],
@@ -357,7 +477,7 @@ def _plot_round_trips(ax: Any, ix: _Index, doc: Doc) -> None:
 
 
 def _plot_throughput(ax: Any, ix: _Index, doc: Doc) -> None:
-    title = "payload GB/s, 1 worker (push / pull vs raw TCP send / receive)"
+    title = "payload GB/s, 1 worker, gRPC streams (push / pull vs raw TCP send / receive)"
     labels = [p for p in _payloads(doc) if p != "340KB"]
     shards = 2 if 2 in doc["plan"]["transport_shards"] else doc["plan"]["transport_shards"][0]
     series = {
@@ -392,17 +512,17 @@ def _name(model: str) -> str:
 
 
 def _plot_memory(ax: Any, ix: _Index) -> None:
-    title = "shard memory: (peak − idle or working RSS) ÷ (params + SGD state)"
+    title = "shard 0 memory: (peak private − idle or working RSS) ÷ (params + SGD state)"
     figs = [f for f in ix.section("memory") if f["unit"] == "x"]
     if not figs:
         return _empty(ax, title)
     workers = sorted({f["params"]["workers"] for f in figs})
-    shards = sorted({f["params"]["shard"] for f in figs})
     series: dict[str, list[float | None]] = {}
-    for s in shards:
-        found = [ix.get(f"memory.overhead.w{w}.shard{s}") for w in workers]
-        series[f"shard {s}, from idle"] = [f["median"] if f else None for f in found]
-        series[f"shard {s}, from working"] = [f["extra"].get("over_working") if f else None for f in found]
+    for wire in sorted({f["params"].get("wire", "float32") for f in figs}):
+        found = [ix.get(f"memory.overhead.{wire}.w{w}.shard0") for w in workers]
+        name = _PATHS.get(wire, wire)
+        series[f"{name}, from idle"] = [f["median"] if f else None for f in found]
+        series[f"{name}, from working"] = [f["extra"].get("over_working") if f else None for f in found]
     _bars(ax, [f"{w} worker(s)" for w in workers], series, "× params + state")
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     ax.set_title(title)

@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes and repeats, about a minute (smoke test)")
     parser.add_argument(
+        "--render",
+        action="store_true",
+        help="run nothing: render latest.md, latest.png and the README summary again from OUT/latest.json",
+    )
+    parser.add_argument(
         "--only",
         type=_sections,
         default=list(SECTIONS),
@@ -131,6 +136,12 @@ def run(plan: Plan, sections: Sequence[str]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: run, write the three files, print the markdown; non-zero when a section failed."""
     args = build_parser().parse_args(argv)
+    out: Path = args.out
+    if args.render:
+        doc = json.loads((out / "latest.json").read_text())
+        report.add_ratios(doc)
+        _write(doc, out)
+        return 0
     if args.quick:
         plan = Plan.quick_plan(repeats=args.repeats or 2, train_repeats=args.train_repeats or 1)
     else:
@@ -141,15 +152,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         log(f"interrupted ({exc}); every process was stopped, no results written")
         return 130
-    out: Path = args.out
     write_atomic(out / "latest.json", json.dumps(doc, indent=1) + "\n")
+    print(_write(doc, out))
+    log(f"wrote {out / 'latest.json'}, latest.md, latest.png in {doc['seconds']:.0f} s")
+    return 0 if all(s["ok"] for s in doc["sections"].values()) else 1
+
+
+def _write(doc: dict[str, Any], out: Path) -> str:
+    """Write latest.md and latest.png; a full run of every section into bench/results also updates the README's
+    summary table. Return the markdown."""
     text = report.markdown(doc)
     write_atomic(out / "latest.md", text)
     if not report.plot(doc, out / "latest.png"):
         log("matplotlib is not installed: no latest.png (pip install matplotlib)")
-    print(text)
-    log(f"wrote {out / 'latest.json'}, latest.md, latest.png in {doc['seconds']:.0f} s")
-    return 0 if all(s["ok"] for s in doc["sections"].values()) else 1
+    full = not doc["plan"]["quick"] and set(doc["sections"]) == set(SECTIONS)
+    if full and out.resolve() == DEFAULT_OUT.resolve():
+        if report.update_readme(doc, ROOT / "README.md"):
+            log("updated the performance summary in README.md")
+        else:
+            log("README.md has no bench summary markers: not updated")
+    return text
 
 
 if __name__ == "__main__":

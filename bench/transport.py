@@ -3,6 +3,10 @@
 Public API only: `LocalCluster(ServerConfig(mode="sync", ...), shards=S, processes=True)` and `PSClient`. Every
 worker is a process of its own (`worker` role below), started while the shards start, so its imports cost no
 wall time; all workers register, then start together on the parent's "go".
+
+Each case runs on two paths: "shm" (the default for a worker on the shards' host: shared memory plus the Unix
+socket doorbell) and the gRPC streams a worker on another host uses ("float32", and "bf16" for the bf16 wire;
+`PSClient(shared_memory=False)`), so both are measured on this one machine.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ def _worker(chan: Channel, params: dict[str, Any]) -> None:
     grads = {name: torch.full_like(t, 1e-3) for name, t in model.items()}
     while True:
         job = chan.recv()
-        push, pull = [], []
-        with PSClient(job["address"], dtype=job["dtype"]) as client:
+        push, pull, fused = [], [], []
+        shm = job["wire"] == "shm"
+        with PSClient(job["address"], dtype="float32" if shm else job["wire"], shared_memory=shm) as client:
             client.register(model)
             chan.send("registered", rank=client.rank)
             chan.recv()  # go: every worker has registered
@@ -58,7 +63,11 @@ def _worker(chan: Channel, params: dict[str, Any]) -> None:
                 if i >= job["warmup"]:
                     push.append(t1 - t0)
                     pull.append(t2 - t1)
-        chan.send("result", push=push, pull=pull)
+            for _ in range(job["n"]):  # what a training step does: push_pull, one exchange per shard
+                t0 = time.perf_counter()
+                client.push_pull(grads)
+                fused.append(time.perf_counter() - t0)
+        chan.send("result", push=push, pull=pull, fused=fused)
 
 
 ROLES = {"worker": _worker}
@@ -73,13 +82,13 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
     for label, numel in plan.payloads.items():
         for shards in plan.transport_shards:
             for workers in plan.transport_workers:
-                dtypes = ["float32"]
+                dtypes = ["shm", "float32"]
                 if label == plan.bf16_payload and shards == 2 and workers == 1:
-                    dtypes.append("bf16")  # the same cluster and model, a second client with the bf16 wire
+                    dtypes.append("bf16")  # the same cluster and model, a further client with the bf16 wire
                 spec = {"tensors": dense_tensors(numel)}
                 figures += _case(procs, plan, label, numel, spec, shards, workers, dtypes)
     if plan.small_model:
-        figures += _case(procs, plan, "340KB", MLP_PARAMS, {"model": "mlp"}, 2, 1, ["float32"])
+        figures += _case(procs, plan, "340KB", MLP_PARAMS, {"model": "mlp"}, 2, 1, ["shm", "float32"])
     return figures
 
 
@@ -104,7 +113,7 @@ def _case(
     try:
         for dtype in dtypes:
             for k in kids:
-                k.send(address=cluster.address, dtype=dtype, warmup=warmup, n=n)
+                k.send(address=cluster.address, wire=dtype, warmup=warmup, n=n)
             for k in kids:
                 k.expect("registered", TIMEOUT)
             for k in kids:
@@ -126,10 +135,11 @@ def _figures(
     key = f"{label}.s{shards}.w{workers}.{dtype}"
     per_worker = [[p + q for p, q in zip(r["push"], r["pull"], strict=True)] for r in results]
     rounds = [t for ts in per_worker for t in ts]  # each worker's own round trips, all of them
+    path = "shared memory + doorbell" if dtype == "shm" else f"gRPC streams, {dtype} wire"
     rt = Figure(
         id=f"{SECTION}.rt.{key}",
         section=SECTION,
-        title=f"push + pull round trip, {label}, {shards} shard(s), {workers} worker(s), {dtype} wire",
+        title=f"push + pull round trip, {label}, {shards} shard(s), {workers} worker(s), {path}",
         unit="ms",
         repeats=ms(rounds),
         params=params,
@@ -137,18 +147,28 @@ def _figures(
         compare=[f"baselines.tcp.rt.{label}", f"baselines.rpc.rt.{label}.w{workers}", f"baselines.gloo.{label}"],
         extra={"per_worker_ms": [ms(ts) for ts in per_worker]} if workers > 1 else {},
     )
+    fused = Figure(
+        id=f"{SECTION}.step.{key}",
+        section=SECTION,
+        title=f"push_pull (one exchange per shard), {label}, {shards} shard(s), {workers} worker(s), {path}",
+        unit="ms",
+        repeats=ms([t for r in results for t in r["fused"]]),
+        params=params,
+        warmup=0,
+        compare=[f"baselines.gloo.{label}"],
+    )
     if workers > 1:
-        return [rt]
+        return [rt, fused]
     push, pull = results[0]["push"], results[0]["pull"]
     wire_bytes = nbytes // 2 if dtype in ("bf16", "fp16") else nbytes
     extra = {"model_bytes": nbytes, "wire_bytes": wire_bytes}
-    figures = [rt]
+    figures = [rt, fused]
     for what, times, base in (("push", push, "up"), ("pull", pull, "down")):
         figures.append(
             Figure(
                 id=f"{SECTION}.{what}.{key}",
                 section=SECTION,
-                title=f"{what} alone, float32 model bytes per second, {label}, {shards} shard(s), {dtype} wire",
+                title=f"{what} alone, float32 model bytes per second, {label}, {shards} shard(s), {path}",
                 unit="GB/s",
                 repeats=gbps(nbytes, times),
                 params=params,

@@ -122,7 +122,8 @@ class SyncPolicy:
         ):
             return
         assert self._sum is not None
-        self._sum.div_(len(self._contributors))
+        if len(self._contributors) > 1:  # the mean of one gradient is itself: spare a pass over the buffer
+            self._sum.div_(len(self._contributors))
         self._contributors = set()
         shard.apply(self._sum, straggler=self._last, waited=time.monotonic() - self._opened)
 

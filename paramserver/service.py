@@ -6,7 +6,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import grpc
-import numpy as np
 from google.protobuf.message import DecodeError
 
 from paramserver import codec
@@ -215,14 +214,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         segment = self.shard.segment(request.worker_id, model)
         reply = ps_pb2.ExchangeResponse()
         if request.push:
-            # Copied out of the segment first: what is validated is exactly what applies, whatever the worker
-            # does to its segment meanwhile.
-            with self.shard.scratch() as grad:
-                np.copyto(grad, segment.grad)
-                check_finite(model.views(grad), model.labels)
-                reply.version, reply.applied = self.shard.push(
-                    request.worker_id, request.step, request.base_version, grad, request.model_digest
-                )
+            # Validated and applied in place, with no scratch buffer: the segment is writable only by the
+            # worker's own user (mode 0600), who could as well write into this process, and the client never
+            # touches it during a call.
+            check_finite(model.views(segment.grad), model.labels)
+            reply.version, reply.applied = self.shard.push(
+                request.worker_id, request.step, request.base_version, segment.grad, request.model_digest
+            )
             self.shard.metrics.bytes_in.inc(segment.grad.nbytes)
         if request.pull:
             min_version = self._min_version(request.min_version, request.incarnation)

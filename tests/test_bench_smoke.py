@@ -75,6 +75,11 @@ def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.Co
         assert any(i.startswith(expected) for i in ids), expected
     assert any(i.startswith("training.sps.") and i.endswith(".local") for i in ids)
     assert any(i.startswith("memory.overhead.") for i in ids)
+    # Both paths are measured: shared memory and the gRPC streams, and the fused push_pull.
+    for path in ("shm", "float32"):
+        assert any(i.startswith("transport.rt.") and i.endswith(f".{path}") for i in ids), path
+        assert any(i.startswith(f"memory.overhead.{path}.") for i in ids), path
+    assert any(i.startswith("transport.step.") for i in ids)
     # Ratios against the baselines of the same run are computed, and they are positive.
     ratios = [r for f in figures for r in f.get("ratios", {}).values()]
     assert ratios and all(r > 0 for r in ratios)
@@ -95,3 +100,21 @@ def test_quick_run_draws_the_plot(quick_run: tuple[Path, subprocess.CompletedPro
     png = out / "latest.png"
     assert png.is_file()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_readme_summary_is_written_between_the_markers(
+    quick_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    from bench import report
+
+    out, _ = quick_run
+    doc = json.loads((out / "latest.json").read_text())
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nbefore\n{report.README_BEGIN}\nstale\n{report.README_END}\nafter\n")
+    assert report.update_readme(doc, readme)
+    text = readme.read_text()
+    assert "stale" not in text and text.startswith("# x\n\nbefore\n") and text.endswith("after\n")
+    assert "| what | this run | target |" in text
+    assert "shared memory" in text  # the quick run measures the shared-memory path too
+    readme.write_text("no markers here\n")
+    assert not report.update_readme(doc, readme)
