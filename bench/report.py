@@ -345,7 +345,7 @@ def summary(doc: Doc) -> str:
         row(f"100 MB push + pull, 2 shards, 1 worker, {name} ÷ gloo all_reduce", g, "x", f"≤ {limit}x", check(g, limit))
         if wire != "bf16":
             r = ratio(fid, "baselines.rpc.rt.100MB.w1")
-            row(f"the same ÷ torch.distributed.rpc PS", r, "x", "≤ 0.67x (1.5x faster)", check(r, 1 / 1.5))
+            row("the same ÷ torch.distributed.rpc PS", r, "x", "≤ 0.67x (1.5x faster)", check(r, 1 / 1.5))
         if wire == "float32":
             for what, base in (("push", "up"), ("pull", "down")):
                 t = ratio(f"transport.{what}.100MB.s2.w1.float32", f"baselines.tcp.{base}.100MB")
@@ -356,7 +356,7 @@ def summary(doc: Doc) -> str:
             v = ix.median(fid)
             row(f"digits MLP (340 KB) push + pull, 2 shards, {name}", v, " ms", "≤ 1.5 ms", check(v, 1.5))
             v = ix.median(f"transport.step.340KB.s2.w1.{wire}")
-            row(f"the same as one push_pull call", v, " ms", "", None)
+            row("the same as one push_pull call", v, " ms", "", None)
     for wire, name in (("shm", "shared memory"), ("float32", "gRPC streams")):
         fid = f"transport.rt.100MB.s2.w2.{wire}"
         if ix.get(fid) is not None:

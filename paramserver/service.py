@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from paramserver import codec
@@ -58,8 +59,10 @@ class ClientStream:
             raise MalformedStream(f"a {self._kind} stream must start with its header")
         return first.header
 
-    def receive(self, receiver: ChunkReceiver) -> None:
-        """Feed every remaining message, all chunks, into the receiver; raise unless it ends complete."""
+    def receive(self, targets: Sequence[np.ndarray], names: Sequence[str], dtype: int) -> None:
+        """Write every remaining message, all chunks, into the targets (validated, NaN/Inf refused by a
+        ChunkReceiver); raise unless they end up complete."""
+        receiver = ChunkReceiver(targets, names, wire_dtype(dtype), check_finite=True)
         while (msg := self._next()) is not None:
             if not isinstance(msg, codec.Chunk):
                 raise MalformedStream("only chunks may follow the header")
@@ -87,6 +90,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def rejected(self, exc: PSError) -> None:
         """Count a refused request in the shard's metrics."""
         self.shard.metrics.rejected_for(type(exc).__name__)
+
+    def _stream(self, raw: Iterator[bytes], message: type[Any], context: grpc.ServicerContext) -> ClientStream:
+        return ClientStream(raw, message, self.shard.config.max_message_bytes, context)
 
     def GetTopology(self, request: ps_pb2.GetTopologyRequest, context: grpc.ServicerContext) -> ps_pb2.Topology:
         with rpc_errors(context, "GetTopology", self.rejected):
@@ -133,7 +139,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self, request_iterator: Iterator[ps_pb2.InitMessage], context: grpc.ServicerContext
     ) -> ps_pb2.InitResponse:
         with rpc_errors(context, "Init", self.rejected):
-            stream = ClientStream(request_iterator, ps_pb2.InitMessage, self.shard.config.max_message_bytes, context)
+            stream = self._stream(request_iterator, ps_pb2.InitMessage, context)
             header = stream.header()
             self.shard.check_worker(header.worker_id)
             model = self.shard.prepare_init(
@@ -141,10 +147,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 header.num_shards,
                 header.model_digest,
             )
-            receiver = ChunkReceiver(
-                model.views(model.params.numpy()), model.labels, wire_dtype(header.dtype), check_finite=True
-            )
-            stream.receive(receiver)
+            stream.receive(model.views(model.params.numpy()), model.labels, header.dtype)
             return ps_pb2.InitResponse(version=self.shard.commit_init(model))
 
     def _timeout(self, context: grpc.ServicerContext) -> float:
@@ -177,18 +180,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self, request_iterator: Iterator[ps_pb2.PushMessage], context: grpc.ServicerContext
     ) -> ps_pb2.PushResponse:
         with rpc_errors(context, "Push", self.rejected):
-            stream = ClientStream(request_iterator, ps_pb2.PushMessage, self.shard.config.max_message_bytes, context)
+            stream = self._stream(request_iterator, ps_pb2.PushMessage, context)
             header = stream.header()
             model = self.shard.require_model(header.model_digest)
             self.shard.check_worker(header.worker_id)
             with self.shard.scratch() as grad:
-                receiver = ChunkReceiver(
-                    model.views(grad),
-                    model.labels,
-                    wire_dtype(header.dtype),
-                    check_finite=True,
-                )
-                stream.receive(receiver)
+                stream.receive(model.views(grad), model.labels, header.dtype)
                 version, applied = self.shard.push(
                     header.worker_id,
                     header.step,
