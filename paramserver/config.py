@@ -111,7 +111,7 @@ class ServerConfig:
     )
     shared_memory: bool = config_field(
         True,
-        "let workers on this host exchange tensor bytes with the shard through shared memory (/dev/shm) instead "
+        "let workers on this host exchange tensor bytes with the shard through shared memory (sealed memfds) instead "
         "of the gRPC streams; workers elsewhere always use the streams",
     )
     max_concurrent_pushes: int = config_field(

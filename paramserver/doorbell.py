@@ -150,7 +150,7 @@ class DoorbellServer:
         try:
             if request.worker_id != worker_id:
                 raise PermissionError(f"this doorbell connection speaks for worker {worker_id!r} only")
-            reply = self._handle(request, max(0.0, timeout))
+            reply = self._handle(request, timeout)  # exchange() clamps it to the shard's pull_timeout
             return b"\0" + reply.SerializeToString()
         except PSError as exc:
             log.info("Exchange (doorbell) rejected: %s: %s", exc.code.name, exc)

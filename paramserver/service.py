@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -206,7 +207,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             return self.exchange(request, self._timeout(context))
 
     def exchange(self, request: ps_pb2.ExchangeRequest, timeout: float) -> ps_pb2.ExchangeResponse:
-        """Push and/or pull through the worker's attached segment (for the Exchange RPC and the doorbell)."""
+        """Push and/or pull through the worker's attached segment (for the Exchange RPC and the doorbell); a pull
+        waits at most `timeout` seconds, and never longer than the shard's pull_timeout."""
+        limit = self.shard.config.pull_timeout
+        timeout = min(max(timeout, 0.0), limit) if math.isfinite(timeout) else limit  # NaN, inf: the limit
         model = self.shard.require_model(request.model_digest)
         segment = self.shard.segment(request.worker_id, model)
         reply = ps_pb2.ExchangeResponse()

@@ -310,10 +310,11 @@ class Shard:
         model = self._build(placement)
         model.params.copy_(snap.params)
         model.optimizer.load_state_dict(snap.optimizer_state)
+        fresh = make_optimizer(self.config, torch.zeros(1)).param_groups[0]
         for group in model.optimizer.param_groups:  # the flags of this run win over the saved hyperparameters
             for key in ("lr", "weight_decay", "momentum"):
                 if key in group:
-                    group[key] = getattr(self.config, key)
+                    group[key] = fresh[key]  # as this run builds them: plain sgd keeps momentum 0
         with self._cond:
             self._adopt(model, snap.version)
             self.membership.ever_full = snap.ever_full

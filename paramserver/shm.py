@@ -1,44 +1,50 @@
 """Shared-memory segments: the same-host path for tensor bytes between a worker and a shard.
 
-A worker creates one segment per shard (`Segment.create`), offers it with the Attach RPC, and unlinks the file once
-the shard has mapped it (`Segment.open`): the memory lives while either side keeps its mapping, and nothing is left
-in /dev/shm when a process dies. The layout is documented on AttachRequest in ps.proto. Plain files and mmap, not
-multiprocessing.shared_memory: its resource tracker would unlink a segment that the other process still uses.
+A worker creates one segment per shard (`Segment.create`): a memfd (anonymous shared memory, no file anywhere),
+sealed so that nobody can ever shrink or grow it, since a shard reading a page that was truncated away would die
+of SIGBUS. The worker offers it with the Attach RPC as "<pid>/<fd>"; the shard opens /proc/<pid>/fd/<fd>
+(`Segment.open`), which works only from the same host and process namespace, and refuses anything that is not
+such a sealed segment carrying the worker's nonce. The memory lives while either side keeps it mapped, and goes
+with the last process that does: nothing is left behind when a process dies. Layout: see AttachRequest in
+ps.proto.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import re
 import secrets
+import stat
 import struct
-from pathlib import Path
 
 import numpy as np
 
 from paramserver.errors import SharedMemoryUnavailable
 
-SHM_DIR = Path("/dev/shm")
-PREFIX = "paramserver-"
 MAGIC = b"PSSHM001"
 HEADER_BYTES = 4096  # one page, so both regions start page-aligned
 NONCE_BYTES = 16
 _HEADER = struct.Struct("<8s16sQ")
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_NAME = re.compile(r"([1-9][0-9]{0,9})/([0-9]{1,9})")
 
 
 def available() -> bool:
-    """Whether this host has a shared-memory directory to create segments in."""
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+    """Whether this host can create segments (Linux memfd and /proc)."""
+    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
 
 class Segment:
     """A mapped segment: `grad` and `weights`, float32 arrays of `elements` each, backed by shared memory."""
 
-    def __init__(self, name: str, nonce: bytes, elements: int, mapping: mmap.mmap) -> None:
+    def __init__(self, name: str, nonce: bytes, elements: int, mapping: mmap.mmap, fd: int | None = None) -> None:
         self.name = name
         self.nonce = nonce
         self.elements = elements
         self._mapping = mapping
+        self._fd = fd  # the creator keeps its memfd open: its "<pid>/<fd>" name stays valid for the shard
         nbytes = 4 * elements
         self.grad = np.frombuffer(mapping, dtype=np.float32, count=elements, offset=HEADER_BYTES)
         self.weights = np.frombuffer(mapping, dtype=np.float32, count=elements, offset=HEADER_BYTES + nbytes)
@@ -49,39 +55,49 @@ class Segment:
 
     @classmethod
     def create(cls, elements: int) -> Segment:
-        """Create a new segment file in /dev/shm (the worker's side); `unlink` it once the shard has opened it."""
+        """Create a new sealed segment (the worker's side)."""
         nonce = secrets.token_bytes(NONCE_BYTES)
-        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        path = SHM_DIR / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = os.memfd_create("paramserver-segment", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, cls.size(elements))
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
             mapping = mmap.mmap(fd, cls.size(elements))
         except BaseException:
-            os.unlink(path)
-            raise
-        finally:
             os.close(fd)
+            raise
         mapping[: _HEADER.size] = _HEADER.pack(MAGIC, nonce, elements)
-        return cls(name, nonce, elements, mapping)
+        return cls(f"{os.getpid()}/{fd}", nonce, elements, mapping, fd)
 
     @classmethod
     def open(cls, name: str, nonce: bytes, elements: int) -> Segment:
         """Map a segment a worker offered (the shard's side); SharedMemoryUnavailable unless it is exactly that."""
-        if not name.startswith(PREFIX) or "/" in name or name in (".", "..") or len(name) > 200:
-            raise SharedMemoryUnavailable(f"{name!r} is not a paramserver segment name")
+        match = _NAME.fullmatch(name)
+        if match is None:
+            raise SharedMemoryUnavailable(f"{name[:80]!r} is not a segment name (<pid>/<fd>)")
         if len(nonce) != NONCE_BYTES:
             raise SharedMemoryUnavailable(f"the segment nonce must be {NONCE_BYTES} bytes, not {len(nonce)}")
+        path = f"/proc/{match[1]}/fd/{match[2]}"
+        size = cls.size(elements)
         try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
+            # Look before opening: opening some other kind of file (a device, a FIFO) could have side effects.
+            if not _is_segment_file(os.stat(path), size):
+                raise SharedMemoryUnavailable(f"{name} is not a segment sized for {elements} elements per region")
+            fd = os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             raise SharedMemoryUnavailable(
-                f"cannot open segment {name} in {SHM_DIR} ({exc.strerror}): the worker is on another host"
+                f"cannot open segment {name} ({exc.strerror}): the worker runs on another host or in another "
+                f"process namespace"
             ) from None
         try:
-            if os.fstat(fd).st_size != cls.size(elements):
-                raise SharedMemoryUnavailable(f"segment {name} is not sized for {elements} elements per region")
-            mapping = mmap.mmap(fd, cls.size(elements))
+            if not _is_segment_file(os.fstat(fd), size):
+                raise SharedMemoryUnavailable(f"{name} is not a segment sized for {elements} elements per region")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0  # not a memfd
+            if seals & _SEALS != _SEALS:
+                raise SharedMemoryUnavailable(f"{name} is not a sealed segment: it could shrink under the shard")
+            mapping = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         if _HEADER.unpack_from(mapping) != (MAGIC, nonce, elements):
@@ -89,18 +105,17 @@ class Segment:
             raise SharedMemoryUnavailable(f"segment {name} carries another nonce: not the worker's segment")
         return cls(name, nonce, elements, mapping)
 
-    def unlink(self) -> None:
-        """Remove the file name; the memory stays while a mapping is open."""
-        try:
-            os.unlink(SHM_DIR / self.name)
-        except FileNotFoundError:
-            pass
-
     def close(self) -> None:
         """Drop this process's mapping (the arrays must not be used afterwards)."""
         del self.grad, self.weights
         try:
             self._mapping.close()
         except BufferError:
-            # A view of the arrays is still alive somewhere; the mapping goes when it does.
-            pass
+            pass  # a view of the arrays is still alive somewhere; the mapping goes when it does
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _is_segment_file(st: os.stat_result, size: int) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_size == size

@@ -1,7 +1,8 @@
 """PSClient: a worker's view of the parameter server: topology, join, register, pull and push to every shard.
 
-Each call fans out to all shards at once. A shard on this host (the same /dev/shm) gets the tensor bytes through a
-shared-memory segment and one small unary Exchange call; any other shard gets one Push or Pull stream per call.
+Each call fans out to all shards at once. A shard on this host gets the tensor bytes through a shared-memory
+segment and one small Exchange message (over a Unix socket, or gRPC); any other shard gets one Push or Pull stream
+per call.
 Weights are written straight into the model's own CPU tensors, and gradients are read straight from them; CUDA
 tensors go through a host mirror.
 """
@@ -527,8 +528,6 @@ class PSClient:
         except BaseException:
             segment.close()
             raise
-        finally:
-            segment.unlink()  # mapped on both sides now (or never will be): nothing is left in /dev/shm
         self._segments[k], self._segment_digest[k] = segment, b.placement.digest
         if reply.doorbell:
             try:

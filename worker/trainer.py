@@ -53,7 +53,7 @@ class TrainConfig:
     )
     shared_memory: bool = config_field(
         True,
-        "exchange tensors with shards on this host through shared memory (/dev/shm) and a Unix socket; "
+        "exchange tensors with shards on this host through shared memory and a Unix socket; "
         "shards elsewhere always get gRPC streams",
     )
     job_name: str = config_field("", "job to join; refused if the servers run another (default: any)")
