@@ -116,11 +116,15 @@ class ShardStats:
 
 
 class BufferPool:
-    """At most `size` gradient-sized scratch buffers, reused; a caller past the bound waits for one."""
+    """At most `size` gradient-sized scratch buffers, reused; a caller past the bound waits for one.
+
+    Last in, first out: one worker at a time keeps reusing one warm buffer, and the others are only ever allocated
+    (and paged in) when pushes really overlap.
+    """
 
     def __init__(self, size: int, numel: int) -> None:
         self._numel = numel
-        self._free: queue.Queue[np.ndarray | None] = queue.Queue()
+        self._free: queue.LifoQueue[np.ndarray | None] = queue.LifoQueue()
         for _ in range(size):
             self._free.put(None)  # allocated on first use: an idle shard holds no scratch memory
 
@@ -165,6 +169,9 @@ class Shard:
         self._segments: dict[str, shm.Segment] = {}
         # A new value each time a shard process starts: versions a worker waits for refer to one incarnation.
         self.incarnation = uuid.uuid4().hex
+        # One Init at a time: concurrent workers registering the same model would otherwise each allocate a whole
+        # copy of it here; the ones that wait find it held (ALREADY_EXISTS) and adopt it.
+        self.init_lock = threading.Lock()
 
     # -- membership --------------------------------------------------------------------------------------------
 
