@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from paramserver import codec
 from paramserver.errors import InvalidArgument, MalformedStream, PSError, TooLarge, rpc_errors
 from paramserver.placement import SLICE_ELEMENTS, TensorSpec
-from paramserver.shard import Shard
+from paramserver.shard import Shard, ShardModel
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire import ChunkReceiver, check_finite, iter_chunks, wire_dtype
 
@@ -207,17 +207,19 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             return self.exchange(request, self._timeout(context))
 
     def exchange(self, request: ps_pb2.ExchangeRequest, timeout: float) -> ps_pb2.ExchangeResponse:
-        """Push and/or pull through the worker's attached segment (for the Exchange RPC and the doorbell); a pull
-        waits at most `timeout` seconds, and never longer than the shard's pull_timeout."""
+        """Push and/or pull through the worker's attached segment, or inline (for the Exchange RPC and the
+        doorbell); a pull waits at most `timeout` seconds, and never longer than the shard's pull_timeout."""
         limit = self.shard.config.pull_timeout
         timeout = min(max(timeout, 0.0), limit) if math.isfinite(timeout) else limit  # NaN, inf: the limit
         model = self.shard.require_model(request.model_digest)
+        if request.inline:
+            return self._exchange_inline(request, model, timeout)
         segment = self.shard.segment(request.worker_id, model)
         reply = ps_pb2.ExchangeResponse()
         if request.push:
-            # Validated and applied in place, with no scratch buffer: the segment is writable only by the
-            # worker's own user (mode 0600), who could as well write into this process, and the client never
-            # touches it during a call.
+            # Validated and applied in place, with no scratch buffer: only the worker's own user can open its
+            # memfd (through /proc), and could as well write into this process; the client never touches the
+            # segment during a call.
             check_finite(model.views(segment.grad), model.labels)
             reply.version, reply.applied = self.shard.push(
                 request.worker_id, request.step, request.base_version, segment.grad, request.model_digest
@@ -230,6 +232,43 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             reply.pulled.incarnation = self.shard.incarnation
             self.shard.metrics.pulls.inc()
             self.shard.metrics.bytes_out.inc(segment.weights.nbytes)
+        return reply
+
+    def _exchange_inline(
+        self, request: ps_pb2.ExchangeRequest, model: ShardModel, timeout: float
+    ) -> ps_pb2.ExchangeResponse:
+        """Exchange with the tensors in the messages (a small model, a worker without a segment)."""
+        size = request.ByteSize()
+        if size > self.shard.config.max_message_bytes:
+            raise TooLarge(
+                f"an inline Exchange of {size} bytes is over the limit of {self.shard.config.max_message_bytes} "
+                f"(max_message_bytes); use the Push and Pull streams"
+            )
+        dtype = wire_dtype(request.dtype)
+        reply = ps_pb2.ExchangeResponse()
+        if request.push:
+            self.shard.check_worker(request.worker_id)
+            with self.shard.scratch() as grad:
+                receiver = ChunkReceiver(model.views(grad), model.labels, dtype, check_finite=True)
+                for chunk in request.chunks:
+                    receiver.add(chunk.piece, chunk.offset, memoryview(chunk.data))
+                receiver.finish()
+                reply.version, reply.applied = self.shard.push(
+                    request.worker_id, request.step, request.base_version, grad, request.model_digest
+                )
+            self.shard.metrics.bytes_in.inc(size)
+        elif request.chunks:
+            raise MalformedStream("an Exchange without push carries no gradient chunks")
+        if request.pull:
+            min_version = self._min_version(request.min_version, request.incarnation)
+            version, held = self.shard.wait_for(min_version, timeout, request.worker_id)
+            for piece, offset, data in iter_chunks(held.views(held.params.numpy()), dtype):
+                reply.chunks.add(piece=piece, offset=offset, data=bytes(data))
+            reply.pulled.version = version
+            reply.pulled.model_digest = held.digest
+            reply.pulled.incarnation = self.shard.incarnation
+            self.shard.metrics.pulls.inc()
+            self.shard.metrics.bytes_out.inc(reply.ByteSize())
         return reply
 
 

@@ -42,7 +42,7 @@ from paramserver.errors import (
 from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
 from paramserver.security import channel_credentials, open_channel
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
-from paramserver.wire import CHUNK_BYTES, ChunkReceiver, iter_chunks, wire_dtype
+from paramserver.wire import CHUNK_BYTES, ChunkReceiver, itemsize, iter_chunks, wire_dtype
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,10 @@ _SERVICE_CONFIG = json.dumps(
 )
 
 _MODES = {ps_pb2.SYNC: "sync", ps_pb2.ASYNC: "async"}
+
+# A shard's part of the model up to this many wire bytes goes inline in one unary Exchange per step (a small model
+# on another host: one call, not two streams); larger parts are streamed in chunks.
+INLINE_BYTES = CHUNK_BYTES
 
 
 def channel_options(max_message_bytes: int = 4 * 1024 * 1024 + 4096) -> list[tuple[str, Any]]:
@@ -447,6 +451,8 @@ class PSClient:
         """Begin shard k's part of an exchange; return a function that waits for it and returns its version."""
         segment = self._segment(b, k)
         if segment is None:
+            if b.placement.shard_elements(k) * itemsize(self.dtype) <= INLINE_BYTES:
+                return self._inline(b, k, grads, step, flats)
             return self._pool.submit(self._streams, b, k, grads, step, flats).result
         base = self.versions[k]
         if grads is not None:
@@ -478,11 +484,52 @@ class PSClient:
 
         return finish
 
+    def _inline(
+        self, b: _Binding, k: int, grads: list[np.ndarray] | None, step: int, flats: list[np.ndarray] | None
+    ) -> Callable[[], int]:
+        """Shard k's part of an exchange as one unary call with the tensors in the messages (a small model)."""
+        base = self.versions[k]
+        req = ps_pb2.ExchangeRequest(
+            worker_id=self.worker_id if self._joined else "",
+            model_digest=b.placement.digest,
+            push=grads is not None,
+            step=step,
+            base_version=base,
+            pull=flats is not None,
+            min_version=base + 1 if grads is not None else self._min_next[k],
+            incarnation=self._incarnation[k],
+            inline=True,
+            dtype=self.dtype,
+        )
+        if grads is not None:
+            for piece, offset, data in iter_chunks(b.views(k, grads), self.dtype):
+                req.chunks.add(piece=piece, offset=offset, data=bytes(data))
+
+        def finish() -> int:
+            reply = self._stubs[k].Exchange(req, timeout=self.timeout)
+            version = int(reply.version)
+            if grads is not None:
+                self._min_next[k] = base + 1
+            if flats is not None:
+                self._check_digest(b, k, reply.pulled)
+                receiver = ChunkReceiver(b.views(k, flats), b.labels(k), self.dtype)
+                for chunk in reply.chunks:
+                    receiver.add(chunk.piece, chunk.offset, memoryview(chunk.data))
+                receiver.finish()
+                self._pulled(b, k, reply.pulled)
+                version = int(reply.pulled.version)
+            return version
+
+        # Blocking calls, not gRPC futures (those start a thread per call when a channel is idle: milliseconds on
+        # a busy machine). Shard 0 is started last (see _fan_out) and runs in the caller's thread meanwhile; the
+        # others run in pool threads.
+        return finish if k == 0 else self._pool.submit(finish).result
+
     def _ring(self, b: _Binding, k: int, req: ps_pb2.ExchangeRequest) -> Callable[[], ps_pb2.ExchangeResponse]:
         """Send an Exchange to shard k (by doorbell if connected, else by gRPC); return what waits for the reply."""
         bell = self._bells[k]
         if bell is None:
-            return self._stubs[k].Exchange.future(req, timeout=self.timeout).result
+            return self._pool.submit(self._stubs[k].Exchange, req, timeout=self.timeout).result
 
         def lost(exc: BaseException) -> PSError:
             # The shard went away (or the connection is out of step after a timeout): attach afresh.
@@ -661,12 +708,12 @@ class PSClient:
         """Run an operation on every shard at once: `start(k)` begins it on shard k and returns a function that
         waits for its result. A shard that fails is then retried on its own (see _on_shard); the first failure
         that remains is raised, once every shard has finished."""
-        waits: list[Callable[[], T] | PSError] = []
-        for k in range(len(self._stubs)):
+        waits: list[Callable[[], T] | PSError] = [PSError()] * len(self._stubs)
+        for k in reversed(range(len(self._stubs))):  # shard 0 last: its wait may run in this thread
             try:
-                waits.append(self._call(self.addresses[k], functools.partial(start, k)))
+                waits[k] = self._call(self.addresses[k], functools.partial(start, k))
             except PSError as exc:
-                waits.append(exc)
+                waits[k] = exc
         results: list[T] = []
         error: PSError | None = None
         for k, wait in enumerate(waits):

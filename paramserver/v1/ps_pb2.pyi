@@ -248,7 +248,7 @@ class AttachResponse(_message.Message):
     def __init__(self, doorbell: _Optional[str] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
-    __slots__ = ("worker_id", "model_digest", "push", "step", "base_version", "pull", "min_version", "incarnation")
+    __slots__ = ("worker_id", "model_digest", "push", "step", "base_version", "pull", "min_version", "incarnation", "inline", "dtype", "chunks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,9 @@ class ExchangeRequest(_message.Message):
     PULL_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    INLINE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_digest: str
     push: bool
@@ -265,14 +268,19 @@ class ExchangeRequest(_message.Message):
     pull: bool
     min_version: int
     incarnation: str
-    def __init__(self, worker_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., push: _Optional[bool] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., pull: _Optional[bool] = ..., min_version: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    inline: bool
+    dtype: DType
+    chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
+    def __init__(self, worker_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., push: _Optional[bool] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., pull: _Optional[bool] = ..., min_version: _Optional[int] = ..., incarnation: _Optional[str] = ..., inline: _Optional[bool] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
 
 class ExchangeResponse(_message.Message):
-    __slots__ = ("version", "applied", "pulled")
+    __slots__ = ("version", "applied", "pulled", "chunks")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     PULLED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     version: int
     applied: bool
     pulled: PullHeader
-    def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., pulled: _Optional[_Union[PullHeader, _Mapping]] = ...) -> None: ...
+    chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
+    def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., pulled: _Optional[_Union[PullHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
