@@ -97,6 +97,9 @@ def _wait_for_signal() -> threading.Event:
 
 def run_one_shard(args: argparse.Namespace, config: ServerConfig) -> int:
     """Serve exactly one shard until SIGINT/SIGTERM."""
+    import torch
+
+    torch.set_num_threads(config.threads)  # the whole process is this one shard (threads clusters leave it be)
     index = args.shard_index
     if args.peers_from_stdin:
         port = args.port or 0

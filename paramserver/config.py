@@ -114,6 +114,11 @@ class ServerConfig:
         "let workers on this host exchange tensor bytes with the shard through shared memory (sealed memfds) instead "
         "of the gRPC streams; workers elsewhere always use the streams",
     )
+    threads: int = config_field(
+        1,
+        "torch CPU threads of a shard process (its optimizer step); 1 is fastest when shards and workers share "
+        "the cores, where two OpenMP threads stall each other for milliseconds",
+    )
     max_concurrent_pushes: int = config_field(
         2, "pushes received at once per shard (each needs one gradient-sized buffer; more wait)"
     )
@@ -134,6 +139,8 @@ class ServerConfig:
         if not 0 <= self.backup_workers < self.workers:
             raise ValueError(f"backup_workers must be in [0, workers), not {self.backup_workers}")
         self.checkpoint_schedule()  # validates checkpoint_every
+        if self.threads < 1:
+            raise ValueError(f"threads must be at least 1, not {self.threads}")
         if self.max_concurrent_pushes < 1:
             raise ValueError("max_concurrent_pushes must be at least 1")
 
