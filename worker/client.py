@@ -458,16 +458,7 @@ class PSClient:
         if grads is not None:
             for src, dst in zip(b.views(k, grads), b.regions(k, segment.grad), strict=True):
                 np.copyto(dst, src)
-        req = ps_pb2.ExchangeRequest(
-            worker_id=self.worker_id,
-            model_digest=b.placement.digest,
-            push=grads is not None,
-            step=step,
-            base_version=base,
-            pull=flats is not None,
-            min_version=base + 1 if grads is not None else self._min_next[k],
-            incarnation=self._incarnation[k],
-        )
+        req = self._exchange_request(b, k, grads is not None, step, flats is not None)
         answer = self._ring(b, k, req)
 
         def finish() -> int:
@@ -484,23 +475,27 @@ class PSClient:
 
         return finish
 
+    def _exchange_request(self, b: _Binding, k: int, push: bool, step: int, pull: bool) -> ps_pb2.ExchangeRequest:
+        """Shard k's Exchange: a push on the version last pulled; a pull of the version that includes it."""
+        base = self.versions[k]
+        return ps_pb2.ExchangeRequest(
+            worker_id=self.worker_id if self._joined else "",
+            model_digest=b.placement.digest,
+            push=push,
+            step=step,
+            base_version=base,
+            pull=pull,
+            min_version=base + 1 if push else self._min_next[k],
+            incarnation=self._incarnation[k],
+        )
+
     def _inline(
         self, b: _Binding, k: int, grads: list[np.ndarray] | None, step: int, flats: list[np.ndarray] | None
     ) -> Callable[[], int]:
         """Shard k's part of an exchange as one unary call with the tensors in the messages (a small model)."""
         base = self.versions[k]
-        req = ps_pb2.ExchangeRequest(
-            worker_id=self.worker_id if self._joined else "",
-            model_digest=b.placement.digest,
-            push=grads is not None,
-            step=step,
-            base_version=base,
-            pull=flats is not None,
-            min_version=base + 1 if grads is not None else self._min_next[k],
-            incarnation=self._incarnation[k],
-            inline=True,
-            dtype=self.dtype,
-        )
+        req = self._exchange_request(b, k, grads is not None, step, flats is not None)
+        req.inline, req.dtype = True, self.dtype
         if grads is not None:
             for piece, offset, data in iter_chunks(b.views(k, grads), self.dtype):
                 req.chunks.add(piece=piece, offset=offset, data=bytes(data))
