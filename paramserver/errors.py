@@ -107,6 +107,10 @@ class ShuttingDown(PSError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class InitInProgress(ShuttingDown):
+    """Another worker is initialising the shard right now: retry shortly (then the model is held: pull it)."""
+
+
 class Unauthenticated(PSError):
     """Missing or wrong credentials."""
 

@@ -139,7 +139,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Init(
         self, request_iterator: Iterator[ps_pb2.InitMessage], context: grpc.ServicerContext
     ) -> ps_pb2.InitResponse:
-        with rpc_errors(context, "Init", self.rejected), self.shard.init_lock:
+        with rpc_errors(context, "Init", self.rejected), self.shard.initialising():
             stream = self._stream(request_iterator, ps_pb2.InitMessage, context)
             header = stream.header()
             self.shard.check_worker(header.worker_id)

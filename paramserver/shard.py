@@ -25,6 +25,7 @@ from paramserver.config import ServerConfig
 from paramserver.consistency import make_policy
 from paramserver.errors import (
     AlreadyInitialized,
+    InitInProgress,
     InvalidArgument,
     ModelMismatch,
     NotAttached,
@@ -169,9 +170,7 @@ class Shard:
         self._segments: dict[str, shm.Segment] = {}
         # A new value each time a shard process starts: versions a worker waits for refer to one incarnation.
         self.incarnation = uuid.uuid4().hex
-        # One Init at a time: concurrent workers registering the same model would otherwise each allocate a whole
-        # copy of it here; the ones that wait find it held (ALREADY_EXISTS) and adopt it.
-        self.init_lock = threading.Lock()
+        self._init_lock = threading.Lock()
 
     # -- membership --------------------------------------------------------------------------------------------
 
@@ -268,6 +267,18 @@ class Shard:
             params,
             make_optimizer(self.config, params),
         )
+
+    @contextlib.contextmanager
+    def initialising(self) -> Iterator[None]:
+        """Hold the shard's one Init slot. Concurrent workers registering the same model would otherwise each
+        build a whole copy of it here (and gRPC would buffer each one's stream): the others are refused with
+        UNAVAILABLE (InitInProgress) at once, retry, and then find the model held (ALREADY_EXISTS)."""
+        if not self._init_lock.acquire(blocking=False):
+            raise InitInProgress(f"shard {self.index} is being initialised by another worker; retry shortly")
+        try:
+            yield
+        finally:
+            self._init_lock.release()
 
     def commit_init(self, model: ShardModel) -> int:
         """Adopt a fully received model, unless another Init won the race; return the version."""

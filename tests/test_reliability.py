@@ -134,6 +134,36 @@ def test_a_retried_push_moves_the_weights_once(
     assert shard.describe().stats.duplicate_pushes == 1 + 3 + 1
 
 
+def test_workers_registering_at_once_build_the_model_once(ps_cluster_factory: Callable[..., LocalCluster]) -> None:
+    """Concurrent Inits of one shard: one builds the model, the others are told to retry (InitInProgress,
+    UNAVAILABLE) and then adopt it; every worker ends with the same weights and nothing is applied twice."""
+    config = ServerConfig(mode="async", workers=4, optimizer="sgd", lr=1.0)
+    cluster = ps_cluster_factory(config, shards=2)
+    big = {"w": torch.arange(600_000, dtype=torch.float32), "b": torch.ones(5)}  # Inits that take a while
+    clients = [PSClient(cluster.address, timeout=CALL_TIMEOUT) for _ in range(4)]
+    models = [{name: t.clone() + (i if name == "b" else 0) for name, t in big.items()} for i in range(4)]
+    try:
+        start = threading.Barrier(4)
+
+        def registrar(i: int) -> Callable[[], None]:
+            def run() -> None:
+                start.wait(5)
+                clients[i].register(models[i])
+
+            return run
+
+        _in_threads([registrar(i) for i in range(4)])
+        winners = {float(m["b"][0]) for m in models}
+        assert len(winners) == 1, "every worker must hold the one model the shards were initialised with"
+        for m in models:
+            assert torch.equal(m["w"], big["w"])
+        for server in cluster.servers:
+            assert server.shard.describe().version == 0
+    finally:
+        for client in clients:
+            client.close()
+
+
 # -- nothing lost under load ----------------------------------------------------------------------------------------
 
 LOAD_THREADS = 16

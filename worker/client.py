@@ -691,7 +691,8 @@ class PSClient:
                 log.warning(
                     "shard %s lost the model (restarted without a checkpoint); re-initialising it", self.addresses[k]
                 )
-                self._init_shard(self._registered, k)
+                reinit = functools.partial(self._init_shard, self._registered, k)
+                self._on_shard(k, reinit, rejoin)  # retried: another worker may be re-initialising it too
                 self._min_next[k] = 0
             elif isinstance(exc, NotAttached) and NotAttached not in recovered:
                 recovered.add(NotAttached)  # the shard restarted or evicted us: the next try attaches anew

@@ -116,7 +116,8 @@ class ParameterServerServicer:
 
     def Init(self, request_iterator, context):
         """Client stream: InitHeader, then Chunks. ALREADY_EXISTS if this model is held, FAILED_PRECONDITION if another
-        is, INVALID_ARGUMENT for a malformed or incomplete stream, RESOURCE_EXHAUSTED for a model over the limit.
+        is, INVALID_ARGUMENT for a malformed or incomplete stream, RESOURCE_EXHAUSTED for a model over the limit,
+        UNAVAILABLE while another worker's Init runs (one at a time: retry, then the model is held).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
