@@ -29,6 +29,7 @@ from paramserver import codec, shm
 from paramserver.doorbell import DoorbellClient
 from paramserver.errors import (
     AlreadyInitialized,
+    InitInProgress,
     MalformedStream,
     ModelMismatch,
     NotAttached,
@@ -78,6 +79,7 @@ _MODES = {ps_pb2.SYNC: "sync", ps_pb2.ASYNC: "async"}
 # A shard's part of the model up to this many wire bytes goes inline in one unary Exchange per step (a small model
 # on another host: one call, not two streams); larger parts are streamed in chunks.
 INLINE_BYTES = CHUNK_BYTES
+INIT_POLL_S = 0.1  # how often a worker asks again while another worker's Init of a shard runs
 
 
 def channel_options(max_message_bytes: int = 4 * 1024 * 1024 + 4096) -> list[tuple[str, Any]]:
@@ -678,7 +680,11 @@ class PSClient:
                 except PSError as err:
                     failed = err
             exc, failed = failed, None
-            if exc.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline:
+            if isinstance(exc, InitInProgress) and time.monotonic() + INIT_POLL_S < deadline:
+                # Not a fault: another worker is registering the same model; it is held once that ends.
+                log.debug("shard %s is being initialised by another worker; asking again", self.addresses[k])
+                time.sleep(INIT_POLL_S)
+            elif exc.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline:
                 log.info("shard %s unavailable (%s); retrying in %.2f s", self.addresses[k], exc, delay)
                 time.sleep(delay)
                 delay = min(2 * delay, 2.0)
