@@ -1,9 +1,10 @@
 """The doorbell: a same-host control channel for Exchange calls, a Unix socket beside the shared-memory segment.
 
-A gRPC unary call costs about 0.5 ms in Python on a small machine (thread hand-offs on both sides); a Unix socket
-round trip costs a tenth of that. Once a worker has attached a segment over gRPC, it may connect to the address
-the Attach answer names and send the same ExchangeRequest messages as length-prefixed frames; the shard answers
-each with the ExchangeResponse or the error it would have sent over gRPC (status code, error type, message).
+A gRPC unary call costs 0.5-1 ms in Python on a small machine (thread hand-offs on both sides); a digits-model
+step through this socket took 0.5 ms against 1.6-2.2 ms for the same Exchange as gRPC calls (2 shards, 2 cores).
+Once a worker has attached a segment over gRPC, it may connect to the address the Attach answer names and send the
+same ExchangeRequest messages as length-prefixed frames; the shard answers each with the ExchangeResponse or the
+error it would have sent over gRPC (status code, error type, message).
 
 The connection proves itself with its first frame: the AttachRequest of a segment the shard has mapped for that
 worker (its nonce only travelled over the authenticated gRPC Attach and through the segment itself). After that

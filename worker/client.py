@@ -469,6 +469,7 @@ class PSClient:
             if grads is not None:
                 self._min_next[k] = base + 1
             if flats is not None:
+                self._check_digest(b, k, reply.pulled)
                 self._pulled(b, k, reply.pulled)
                 for src, dst in zip(b.regions(k, segment.weights), b.views(k, flats), strict=True):
                     np.copyto(dst, src)
@@ -597,8 +598,7 @@ class PSClient:
             )
 
     def _pulled(self, b: _Binding, k: int, header: ps_pb2.PullHeader) -> None:
-        """Check a pull's header against the model; note shard k's version and incarnation."""
-        self._check_digest(b, k, header)
+        """Note shard k's version and incarnation after a pull (its digest already checked)."""
         if header.incarnation != self._incarnation[k]:
             self._incarnation[k] = header.incarnation
             self._min_next[k] = 0
