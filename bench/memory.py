@@ -7,7 +7,8 @@ with SGD that is the parameters plus one gradient-sized buffer (the round's runn
 private = VmRSS - RssShmem: on the shared-memory path the workers' segments (two regions of the shard's part per
 same-host worker, created by the workers) are mapped into the shard too, and are reported apart. A second ratio
 starts from the RSS of a working shard (one that holds a 64-element model and has served a few rounds), which
-leaves out what every shard pays once whatever its model. Both paths are measured: "shm" and the gRPC streams.
+leaves out what every shard pays once whatever its model. Every path is measured: "shm", the data socket
+("socket") and the gRPC streams ("float32").
 """
 
 from __future__ import annotations
@@ -207,7 +208,7 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
     """One sync job per worker count; the figures are per shard (a peak is one number per run, not a timing)."""
     working = _working(procs)
     figures: list[Figure] = []
-    for wire in ("shm", "float32"):
+    for wire in ("shm", "socket", "float32"):
         for workers in plan.memory_workers:
             figures += _case(plan, procs, workers, working, wire)
     return figures

@@ -57,7 +57,13 @@ class _Index:
         return [f for f in self.by_id.values() if f["section"] == name]
 
 
-_PATHS = {"shm": "shared memory", "float32": "gRPC", "bf16": "gRPC, bf16 wire", "fp16": "gRPC, fp16 wire"}
+_PATHS = {
+    "shm": "shared memory",
+    "socket": "data socket",
+    "socket-bf16": "data socket, bf16 wire",
+    "float32": "gRPC",
+    "bf16": "gRPC, bf16 wire",
+}
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -145,8 +151,10 @@ def _transport(ix: _Index, doc: Doc) -> list[str]:
         "",
         "Shards are processes (`LocalCluster(processes=True)`); every worker is a process. The model is 4 equal "
         "tensors (at 100 MB each is sliced across the shards; at 4 MB each is placed whole); 340KB is the digits "
-        "MLP. Paths: shared memory (a worker on the shards' host: segments in /dev/shm plus the Unix-socket "
-        "doorbell) and gRPC (the streams a worker on another host uses, here over loopback). push+pull: a push "
+        "MLP. Paths: shared memory (a worker on the shards' host: memfd segments plus the Unix-socket "
+        "doorbell); data socket (what a worker on another host uses: raw tensor bytes over the shard's TCP data "
+        "socket, here over loopback); gRPC (the Push and Pull streams, or one unary call for a small model: a "
+        "shard without a reachable data socket). push+pull: a push "
         "call, then a pull call; push_pull: the fused call a training step makes (one exchange per shard). Push "
         "and pull GB/s (float32 model bytes, even on the bf16 wire) are timed separately with 1 worker; "
         "a push returns once the shards have applied the SGD step. "
@@ -319,6 +327,16 @@ README_BEGIN = "<!-- bench:summary:begin (written by `make bench` from bench/res
 README_END = "<!-- bench:summary:end -->"
 
 
+# The paths the README's summary names: same host, another host (the default, then without a data socket).
+_SUMMARY_PATHS = (
+    ("shm", "shared memory"),
+    ("socket", "data socket"),
+    ("float32", "gRPC"),
+    ("socket-bf16", "data socket, bf16 wire"),
+    ("bf16", "gRPC, bf16 wire"),
+)
+
+
 def summary(doc: Doc) -> str:
     """The README's table: each performance target against the figure of this run that answers it."""
     ix = _Index(doc)
@@ -336,28 +354,29 @@ def summary(doc: Doc) -> str:
             return None
         return value <= limit if lower else value >= limit
 
-    for wire, name in (("shm", "shared memory"), ("float32", "gRPC streams"), ("bf16", "gRPC streams, bf16 wire")):
+    for wire, name in _SUMMARY_PATHS:
         fid = f"transport.rt.100MB.s2.w1.{wire}"
         if ix.get(fid) is None:
             continue
-        limit = 0.6 if wire == "bf16" else 1.0
+        bf16 = wire.endswith("bf16")
+        limit = 0.6 if bf16 else 1.0
         g = ratio(fid, "baselines.gloo.100MB")
         row(f"100 MB push + pull, 2 shards, 1 worker, {name} ÷ gloo all_reduce", g, "x", f"≤ {limit}x", check(g, limit))
-        if wire != "bf16":
+        if not bf16:
             r = ratio(fid, "baselines.rpc.rt.100MB.w1")
             row("the same ÷ torch.distributed.rpc PS", r, "x", "≤ 0.67x (1.5x faster)", check(r, 1 / 1.5))
-        if wire == "float32":
+        if wire in ("socket", "float32"):
             for what, base in (("push", "up"), ("pull", "down")):
-                t = ratio(f"transport.{what}.100MB.s2.w1.float32", f"baselines.tcp.{base}.100MB")
-                row(f"{what} GB/s over gRPC ÷ raw TCP", t, "x", "≥ 0.7x", check(t, 0.7, lower=False))
-    for wire, name in (("shm", "shared memory"), ("float32", "gRPC streams")):
+                t = ratio(f"transport.{what}.100MB.s2.w1.{wire}", f"baselines.tcp.{base}.100MB")
+                row(f"{what} GB/s, {name} ÷ raw TCP", t, "x", "≥ 0.7x", check(t, 0.7, lower=False))
+    for wire, name in _SUMMARY_PATHS[:3]:
         fid = f"transport.rt.340KB.s2.w1.{wire}"
         if ix.get(fid) is not None:
             v = ix.median(fid)
             row(f"digits MLP (340 KB) push + pull, 2 shards, {name}", v, " ms", "≤ 1.5 ms", check(v, 1.5))
             v = ix.median(f"transport.step.340KB.s2.w1.{wire}")
             row("the same as one push_pull call", v, " ms", "", None)
-    for wire, name in (("shm", "shared memory"), ("float32", "gRPC streams")):
+    for wire, name in _SUMMARY_PATHS[:3]:
         fid = f"transport.rt.100MB.s2.w2.{wire}"
         if ix.get(fid) is not None:
             g = ratio(fid, "baselines.gloo.100MB")
@@ -374,7 +393,7 @@ def summary(doc: Doc) -> str:
     fid = "training.tta.cnn.w2.sync"
     if ix.get(fid) is not None:
         row("CNN time to 0.95 accuracy, 2 workers, sync, ÷ local", ratio(fid, "training.tta.cnn.local"), "x", "", None)
-    for wire, name in (("shm", "shared memory"), ("float32", "gRPC")):
+    for wire, name in _SUMMARY_PATHS[:3]:
         figs = [f for f in ix.section("memory") if f["unit"] == "x" and f["params"].get("wire") == wire]
         if figs:
             top = max(figs, key=lambda f: (f["params"]["workers"], f["extra"]["over_working"]))
@@ -461,13 +480,11 @@ def _plot_round_trips(ax: Any, ix: _Index, doc: Doc) -> None:
     title = "push + pull round trip, 1 worker (ms, log scale)"
     labels = _payloads(doc)
     shards = 2 if 2 in doc["plan"]["transport_shards"] else doc["plan"]["transport_shards"][0]
-    ours = [ix.median(f"transport.rt.{p}.s{shards}.w1.shm") for p in labels]
-    grpc = [ix.median(f"transport.rt.{p}.s{shards}.w1.float32") for p in labels]
-    if not any(_ok(v) for v in ours + grpc) and not ix.section("baselines"):
+    ours = {w: [ix.median(f"transport.rt.{p}.s{shards}.w1.{w}") for p in labels] for w in ("shm", "socket", "float32")}
+    if not any(_ok(v) for vs in ours.values() for v in vs) and not ix.section("baselines"):
         return _empty(ax, title)
     series = {
-        f"paramserver, shared memory ({shards} shards)": ours,
-        f"paramserver, gRPC ({shards} shards)": grpc,
+        **{f"paramserver, {_PATHS[w]} ({shards} shards)": vs for w, vs in ours.items()},
         "torch rpc PS": [ix.median(f"baselines.rpc.rt.{p}.w1") for p in labels],
         "gloo all_reduce": [ix.median(f"baselines.gloo.{p}") for p in labels],
         "raw TCP": [ix.median(f"baselines.tcp.rt.{p}") for p in labels],
@@ -477,12 +494,15 @@ def _plot_round_trips(ax: Any, ix: _Index, doc: Doc) -> None:
 
 
 def _plot_throughput(ax: Any, ix: _Index, doc: Doc) -> None:
-    title = "payload GB/s, 1 worker, gRPC streams (push / pull vs raw TCP send / receive)"
+    title = "payload GB/s, 1 worker (push / pull vs raw TCP send / receive)"
     labels = [p for p in _payloads(doc) if p != "340KB"]
     shards = 2 if 2 in doc["plan"]["transport_shards"] else doc["plan"]["transport_shards"][0]
     series = {
-        "push": [ix.median(f"transport.push.{p}.s{shards}.w1.float32") for p in labels],
-        "pull": [ix.median(f"transport.pull.{p}.s{shards}.w1.float32") for p in labels],
+        **{
+            f"{what}, {_PATHS[w]}": [ix.median(f"transport.{what}.{p}.s{shards}.w1.{w}") for p in labels]
+            for w in ("socket", "float32")
+            for what in ("push", "pull")
+        },
         "TCP send": [ix.median(f"baselines.tcp.up.{p}") for p in labels],
         "TCP receive": [ix.median(f"baselines.tcp.down.{p}") for p in labels],
     }

@@ -4,9 +4,11 @@ Public API only: `LocalCluster(ServerConfig(mode="sync", ...), shards=S, process
 worker is a process of its own (`worker` role below), started while the shards start, so its imports cost no
 wall time; all workers register, then start together on the parent's "go".
 
-Each case runs on two paths: "shm" (the default for a worker on the shards' host: shared memory plus the Unix
-socket doorbell) and the gRPC streams a worker on another host uses ("float32", and "bf16" for the bf16 wire;
-`PSClient(shared_memory=False)`), so both are measured on this one machine.
+Each case runs on three paths, all measured on this one machine: "shm" (the default for a worker on the shards'
+host: shared memory plus the Unix-socket doorbell); "socket" (the default for a worker on another host: the
+shard's TCP data socket, `PSClient(shared_memory=False)`, here over loopback); and the gRPC streams ("float32",
+`PSClient(shared_memory=False, data_socket=False)`: a shard that serves no data socket, or a port not opened).
+"socket-bf16" and "bf16" are the last two with the bf16 wire.
 """
 
 from __future__ import annotations
@@ -17,6 +19,14 @@ from typing import Any
 from bench.common import MLP_PARAMS, Channel, Figure, Plan, Processes, gbps, log, median, ms, schedule
 
 SECTION = "transport"
+WIRES = ("shm", "socket", "float32")  # every case; the bf16 wires on one
+PATHS = {
+    "shm": "shared memory + doorbell",
+    "socket": "data socket (TCP), float32 wire",
+    "socket-bf16": "data socket (TCP), bf16 wire",
+    "float32": "gRPC streams, float32 wire",
+    "bf16": "gRPC streams, bf16 wire",
+}
 LR = 0.01
 TIMEOUT = 600.0
 
@@ -49,8 +59,13 @@ def _worker(chan: Channel, params: dict[str, Any]) -> None:
     while True:
         job = chan.recv()
         push, pull, fused = [], [], []
-        shm = job["wire"] == "shm"
-        with PSClient(job["address"], dtype="float32" if shm else job["wire"], shared_memory=shm) as client:
+        wire = job["wire"]
+        with PSClient(
+            job["address"],
+            dtype="bf16" if wire.endswith("bf16") else "float32",
+            shared_memory=wire == "shm",
+            data_socket=wire.startswith("socket"),
+        ) as client:
             client.register(model)
             chan.send("registered", rank=client.rank)
             chan.recv()  # go: every worker has registered
@@ -82,13 +97,13 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
     for label, numel in plan.payloads.items():
         for shards in plan.transport_shards:
             for workers in plan.transport_workers:
-                dtypes = ["shm", "float32"]
+                dtypes = list(WIRES)
                 if label == plan.bf16_payload and shards == 2 and workers == 1:
-                    dtypes.append("bf16")  # the same cluster and model, a further client with the bf16 wire
+                    dtypes += ["socket-bf16", "bf16"]  # the same cluster and model, further clients
                 spec = {"tensors": dense_tensors(numel)}
                 figures += _case(procs, plan, label, numel, spec, shards, workers, dtypes)
     if plan.small_model:
-        figures += _case(procs, plan, "340KB", MLP_PARAMS, {"model": "mlp"}, 2, 1, ["shm", "float32"])
+        figures += _case(procs, plan, "340KB", MLP_PARAMS, {"model": "mlp"}, 2, 1, list(WIRES))
     return figures
 
 
@@ -135,7 +150,7 @@ def _figures(
     key = f"{label}.s{shards}.w{workers}.{dtype}"
     per_worker = [[p + q for p, q in zip(r["push"], r["pull"], strict=True)] for r in results]
     rounds = [t for ts in per_worker for t in ts]  # each worker's own round trips, all of them
-    path = "shared memory + doorbell" if dtype == "shm" else f"gRPC streams, {dtype} wire"
+    path = PATHS[dtype]
     rt = Figure(
         id=f"{SECTION}.rt.{key}",
         section=SECTION,
@@ -160,7 +175,7 @@ def _figures(
     if workers > 1:
         return [rt, fused]
     push, pull = results[0]["push"], results[0]["pull"]
-    wire_bytes = nbytes // 2 if dtype in ("bf16", "fp16") else nbytes
+    wire_bytes = nbytes // 2 if dtype.endswith("bf16") else nbytes
     extra = {"model_bytes": nbytes, "wire_bytes": wire_bytes}
     figures = [rt, fused]
     for what, times, base in (("push", push, "up"), ("pull", pull, "down")):

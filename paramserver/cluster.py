@@ -88,9 +88,9 @@ class LocalCluster:
         return self.base_port + i if self.base_port else 0
 
     def _shard_config(self, i: int) -> ServerConfig:
-        """Shard i's config: the job's, with its own metrics port (base + i) when metrics are on."""
-        port = self.config.metrics_port
-        return self.config if not port else self.config.replace(metrics_port=port + i)
+        """Shard i's config: the job's, with its own metrics and data ports (base + i) where they are fixed."""
+        metrics, data = self.config.metrics_port, self.config.data_port
+        return self.config.replace(metrics_port=metrics + i if metrics else metrics, data_port=data + i if data else 0)
 
     def _start_threads(self) -> None:
         for i in range(self.num_shards):

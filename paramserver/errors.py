@@ -65,6 +65,10 @@ class SharedMemoryUnavailable(FailedPrecondition):
     """The shard cannot use an offered shared-memory segment (another host, or disabled): use the streams."""
 
 
+class DataSocketUnavailable(FailedPrecondition):
+    """The shard serves no data socket (--no-data-socket): use the streams."""
+
+
 class NotAttached(FailedPrecondition):
     """An Exchange from a worker with no segment attached for this model (e.g. the shard restarted): attach again."""
 

@@ -7,6 +7,7 @@ token, so Kubernetes' gRPC probes work; everything else requires it when one is 
 from __future__ import annotations
 
 import hmac
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,28 @@ def channel_credentials(ca: str | None, cert: str | None, key: str | None) -> gr
     return grpc.ssl_channel_credentials(
         root_certificates=_read(ca), private_key=_read(key), certificate_chain=_read(cert)
     )
+
+
+def server_ssl_context(cert: str | None, key: str | None, ca: str | None) -> ssl.SSLContext | None:
+    """The same TLS as `server_credentials`, for a shard's data socket (None: plaintext, like its gRPC port)."""
+    if not (cert and key):
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    if ca:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(ca)
+    return context
+
+
+def client_ssl_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """The same TLS as `channel_credentials`, for a worker's data-socket connections (None: plaintext)."""
+    if not (ca or cert or key):
+        return None
+    context = ssl.create_default_context(cafile=ca)  # the system's CAs when none is given, as gRPC does
+    if cert and key:
+        context.load_cert_chain(cert, key)
+    return context
 
 
 class TokenAuth(grpc.ServerInterceptor):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Sequence
 from concurrent import futures
@@ -11,9 +12,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.config import ServerConfig
-from paramserver.doorbell import DoorbellServer
+from paramserver.doorbell import DoorbellServer, tcp_listener
 from paramserver.metrics import MetricsServer
-from paramserver.security import TokenAuth, read_token, server_credentials
+from paramserver.security import TokenAuth, read_token, server_credentials, server_ssl_context
 from paramserver.service import ParameterServerServicer, add_to_server
 from paramserver.shard import Shard
 from paramserver.v1 import ps_pb2
@@ -46,6 +47,8 @@ class ShardServer:
         self.shard = shard
         self.servicer = servicer
         self._doorbell: DoorbellServer | None = None
+        self._data: DoorbellServer | None = None
+        self._data_listener: socket.socket | None = None
         self.port = port
         self.metrics_port: int | None = None
         self._server = server
@@ -78,6 +81,13 @@ class ShardServer:
             raise OSError(f"could not bind shard {index} to {host}:{port} (port in use?)")
         instance = cls(shard, server, bound, health_servicer, servicer)
         instance._pool = pool
+        if config.data_socket:
+            try:
+                instance._data_listener = tcp_listener(host, config.data_port)
+            except OSError as exc:
+                server.stop(None)
+                where = f"{host}:{config.data_port}"
+                raise OSError(f"could not bind shard {index}'s data socket to {where}: {exc}") from exc
         return instance
 
     def start(self, addresses: Sequence[str]) -> None:
@@ -90,16 +100,32 @@ class ShardServer:
             self.metrics_port = self._metrics.port
         if self.shard.config.shared_memory:
             # Same-host workers' Exchanges over a Unix socket (see paramserver.doorbell).
-            self._doorbell = DoorbellServer(
-                lambda hello: self.shard.verify_segment(hello.worker_id, hello.name, hello.nonce),
-                self.servicer.exchange,
+            self._doorbell = DoorbellServer(self._verify, self.servicer.exchange_frame, self.servicer.rejected)
+            self.servicer.doorbell = str(self._doorbell.address)
+        if self._data_listener is not None:
+            # Other hosts' workers' tensors, as raw bytes over TCP (TLS like the gRPC port when it has TLS).
+            c = self.shard.config
+            self._data = DoorbellServer(
+                self._verify,
+                self.servicer.exchange_frame,
                 self.servicer.rejected,
+                listener=self._data_listener,
+                tls=server_ssl_context(c.tls_cert, c.tls_key, c.tls_ca),
+                payload_limit=self.servicer.payload_limit,
             )
-            self.servicer.doorbell = self._doorbell.address
+            self.servicer.data_port = self._data.port
         self._server.start()
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("shard %d of %d serving on port %d", self.shard.index, len(addresses), self.port)
+
+    def _verify(self, hello: ps_pb2.AttachRequest) -> None:
+        self.shard.verify_segment(hello.worker_id, hello.name, hello.nonce)
+
+    @property
+    def data_port(self) -> int:
+        """The port of the shard's data socket (0: none)."""
+        return self.servicer.data_port
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop cleanly: let a sync round in progress close, finish the RPCs in flight, write a final checkpoint.
@@ -113,8 +139,11 @@ class ShardServer:
         self.shard.drain(grace)
         self.shard.stop_waiting()
         self._server.stop(grace).wait()
-        if self._doorbell is not None:
-            self._doorbell.close(grace)
+        for bell in (self._doorbell, self._data):
+            if bell is not None:
+                bell.close(grace)
+        if self._data is None and self._data_listener is not None:
+            self._data_listener.close()  # created, never started
         self.shard.close()
         if self._metrics is not None:
             self._metrics.stop()

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from paramserver import codec
-from paramserver.errors import InvalidArgument, MalformedStream, PSError, TooLarge, rpc_errors
+from paramserver import codec, shm
+from paramserver.doorbell import Payload, Reply
+from paramserver.errors import DataSocketUnavailable, InvalidArgument, MalformedStream, PSError, TooLarge, rpc_errors
 from paramserver.placement import SLICE_ELEMENTS, TensorSpec
 from paramserver.shard import Shard, ShardModel
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
-from paramserver.wire import ChunkReceiver, check_finite, iter_chunks, wire_dtype
+from paramserver.wire import ChunkReceiver, check_finite, itemsize, iter_chunks, wire_dtype
 
 _MODES = {"sync": ps_pb2.SYNC, "async": ps_pb2.ASYNC}
 
@@ -87,6 +88,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
         self.doorbell = ""  # the address of the shard's doorbell (paramserver.doorbell), once it listens
+        self.data_port = 0  # the port of its data socket, once it listens
 
     def rejected(self, exc: PSError) -> None:
         """Count a refused request in the shard's metrics."""
@@ -199,6 +201,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Attach(self, request: ps_pb2.AttachRequest, context: grpc.ServicerContext) -> ps_pb2.AttachResponse:
         with rpc_errors(context, "Attach", self.rejected):
+            if request.socket:
+                if not self.data_port:
+                    raise DataSocketUnavailable(
+                        f"shard {self.shard.index} serves no data socket (--no-data-socket): use the streams"
+                    )
+                self.shard.attach_socket(request.worker_id, request.nonce, request.elements, request.model_digest)
+                return ps_pb2.AttachResponse(data_port=self.data_port)
             self.shard.attach(request.worker_id, request.name, request.nonce, request.elements, request.model_digest)
             return ps_pb2.AttachResponse(doorbell=self.doorbell)
 
@@ -206,11 +215,44 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         with rpc_errors(context, "Exchange", self.rejected):
             return self.exchange(request, self._timeout(context))
 
+    def payload_limit(self) -> int:
+        """The most payload bytes a data-socket frame may carry: the shard's part of the model in float32."""
+        model = self.shard.model
+        return 0 if model is None else model.numel * 4
+
+    def exchange_frame(self, request: ps_pb2.ExchangeRequest, timeout: float, payload: Payload) -> Reply:
+        """An Exchange from a doorbell or data-socket connection: through the worker's segment, or with the
+        gradient in the frame's payload and the weights in the reply's (a worker on another host)."""
+        model = self.shard.require_model(request.model_digest)
+        if request.inline:
+            raise MalformedStream("inline Exchanges go over gRPC; a data socket carries the tensors as payloads")
+        if isinstance(self.shard.attachment(request.worker_id, model), shm.Segment):
+            if payload.size:
+                raise MalformedStream("the gradient of a worker with a segment travels in the segment, not the frame")
+            return Reply(self.exchange(request, timeout))
+        dtype = wire_dtype(request.dtype)
+        reply = ps_pb2.ExchangeResponse()
+        if request.push:
+
+            def fill(grad: np.ndarray) -> None:
+                payload.read_into([grad], dtype)
+                check_finite(model.views(grad), model.labels)
+
+            reply.version, reply.applied = self._push_scratch(request, fill)
+            self.shard.metrics.bytes_in.inc(payload.size)
+        elif payload.size:
+            raise MalformedStream("an Exchange without push carries no gradient payload")
+        if not request.pull:
+            return Reply(reply)
+        held = self._pull(request, reply, _clamp(timeout, self.shard.config.pull_timeout))
+        # Sent from the weights themselves, outside the lock, as the Pull stream does (see the README on async).
+        self.shard.metrics.bytes_out.inc(held.numel * itemsize(dtype))
+        return Reply(reply, [held.params.numpy()], dtype)
+
     def exchange(self, request: ps_pb2.ExchangeRequest, timeout: float) -> ps_pb2.ExchangeResponse:
         """Push and/or pull through the worker's attached segment, or inline (for the Exchange RPC and the
         doorbell); a pull waits at most `timeout` seconds, and never longer than the shard's pull_timeout."""
-        limit = self.shard.config.pull_timeout
-        timeout = min(max(timeout, 0.0), limit) if math.isfinite(timeout) else limit  # NaN, inf: the limit
+        timeout = _clamp(timeout, self.shard.config.pull_timeout)
         model = self.shard.require_model(request.model_digest)
         if request.inline:
             return self._exchange_inline(request, model, timeout)
@@ -234,6 +276,23 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self.shard.metrics.bytes_out.inc(segment.weights.nbytes)
         return reply
 
+    def _push_scratch(self, request: ps_pb2.ExchangeRequest, fill: Callable[[np.ndarray], None]) -> tuple[int, bool]:
+        """Push a gradient that `fill` writes (and validates) into a scratch buffer: a refusal changes nothing."""
+        self.shard.check_worker(request.worker_id)
+        with self.shard.scratch() as grad:
+            fill(grad)
+            return self.shard.push(request.worker_id, request.step, request.base_version, grad, request.model_digest)
+
+    def _pull(self, request: ps_pb2.ExchangeRequest, reply: ps_pb2.ExchangeResponse, timeout: float) -> ShardModel:
+        """Wait for the version a pull asks for; note it in the reply; return the model to send."""
+        min_version = self._min_version(request.min_version, request.incarnation)
+        version, held = self.shard.wait_for(min_version, timeout, request.worker_id)
+        reply.pulled.version = version
+        reply.pulled.model_digest = held.digest
+        reply.pulled.incarnation = self.shard.incarnation
+        self.shard.metrics.pulls.inc()
+        return held
+
     def _exchange_inline(
         self, request: ps_pb2.ExchangeRequest, model: ShardModel, timeout: float
     ) -> ps_pb2.ExchangeResponse:
@@ -247,29 +306,28 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         dtype = wire_dtype(request.dtype)
         reply = ps_pb2.ExchangeResponse()
         if request.push:
-            self.shard.check_worker(request.worker_id)
-            with self.shard.scratch() as grad:
+
+            def fill(grad: np.ndarray) -> None:
                 receiver = ChunkReceiver(model.views(grad), model.labels, dtype, check_finite=True)
                 for chunk in request.chunks:
                     receiver.add(chunk.piece, chunk.offset, memoryview(chunk.data))
                 receiver.finish()
-                reply.version, reply.applied = self.shard.push(
-                    request.worker_id, request.step, request.base_version, grad, request.model_digest
-                )
+
+            reply.version, reply.applied = self._push_scratch(request, fill)
             self.shard.metrics.bytes_in.inc(size)
         elif request.chunks:
             raise MalformedStream("an Exchange without push carries no gradient chunks")
         if request.pull:
-            min_version = self._min_version(request.min_version, request.incarnation)
-            version, held = self.shard.wait_for(min_version, timeout, request.worker_id)
+            held = self._pull(request, reply, timeout)
             for piece, offset, data in iter_chunks(held.views(held.params.numpy()), dtype):
                 reply.chunks.add(piece=piece, offset=offset, data=bytes(data))
-            reply.pulled.version = version
-            reply.pulled.model_digest = held.digest
-            reply.pulled.incarnation = self.shard.incarnation
-            self.shard.metrics.pulls.inc()
             self.shard.metrics.bytes_out.inc(reply.ByteSize())
         return reply
+
+
+def _clamp(timeout: float, limit: float) -> float:
+    """A pull's wait: the caller's timeout within [0, limit]; NaN or inf mean the limit."""
+    return min(max(timeout, 0.0), limit) if math.isfinite(timeout) else limit
 
 
 def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hmac
 import logging
 import queue
 import threading
@@ -95,6 +96,15 @@ class ShardModel:
 
 
 @dataclass(frozen=True)
+class Ticket:
+    """A worker's data-socket attachment: the nonce its connection must present (see paramserver.doorbell)."""
+
+    nonce: bytes
+    elements: int
+    name: str = ""  # no segment
+
+
+@dataclass(frozen=True)
 class ShardStatus:
     """What a shard holds, at one instant."""
 
@@ -165,9 +175,10 @@ class Shard:
         self.finished_workers = 0
         self.done = threading.Event()  # set once every worker of the job finished and none is live
         self.metrics = ShardMetrics(index)
-        # Same-host workers' shared-memory segments, by worker id. Dropped (not closed) when a worker goes: an
-        # Exchange in flight keeps its mapping alive until it ends.
-        self._segments: dict[str, shm.Segment] = {}
+        # What each worker attached, by worker id: a same-host worker's shared-memory segment, or another host's
+        # data-socket ticket. Dropped (not closed) when a worker goes: an Exchange in flight keeps a segment's
+        # mapping alive until it ends.
+        self._segments: dict[str, shm.Segment | Ticket] = {}
         # A new value each time a shard process starts: versions a worker waits for refer to one incarnation.
         self.incarnation = uuid.uuid4().hex
         self._init_lock = threading.Lock()
@@ -459,35 +470,55 @@ class Shard:
     # -- same-host shared memory -------------------------------------------------------------------------------
 
     def attach(self, worker_id: str, name: str, nonce: bytes, elements: int, digest: str) -> None:
-        """Map a live worker's shared-memory segment for its Exchanges (replacing any earlier one)."""
+        """Map a live worker's shared-memory segment for its Exchanges (replacing any earlier attachment)."""
         if not self.config.shared_memory:
             raise SharedMemoryUnavailable(f"shard {self.index} runs with shared memory disabled (--no-shared-memory)")
-        model = self.require_model(digest)
-        if elements != model.numel:
-            raise InvalidArgument(f"a segment of {elements} elements per region for a shard of {model.numel}")
-        self.check_worker(worker_id)
-        segment = shm.Segment.open(name, nonce, elements)
-        with self._cond:
-            self.membership.get(worker_id)  # it may have left while the segment was mapped
-            self._segments[worker_id] = segment
+        self._check_attach(worker_id, elements, digest)
+        self._attach(worker_id, shm.Segment.open(name, nonce, elements))
         log.debug("shard %d: worker %s attached shared-memory segment %s", self.index, worker_id, name)
 
+    def attach_socket(self, worker_id: str, nonce: bytes, elements: int, digest: str) -> None:
+        """Take a live worker's data-socket ticket (replacing any earlier attachment)."""
+        self._check_attach(worker_id, elements, digest)
+        if len(nonce) != shm.NONCE_BYTES:
+            raise InvalidArgument(f"a data-socket ticket is {shm.NONCE_BYTES} random bytes, not {len(nonce)}")
+        self._attach(worker_id, Ticket(bytes(nonce), elements))
+
+    def _check_attach(self, worker_id: str, elements: int, digest: str) -> None:
+        model = self.require_model(digest)
+        if elements != model.numel:
+            raise InvalidArgument(f"an attachment for {elements} elements to a shard of {model.numel}")
+        self.check_worker(worker_id)
+
+    def _attach(self, worker_id: str, attachment: shm.Segment | Ticket) -> None:
+        with self._cond:
+            self.membership.get(worker_id)  # it may have left meanwhile
+            self._segments[worker_id] = attachment
+
     def verify_segment(self, worker_id: str, name: str, nonce: bytes) -> None:
-        """Raise NotAttached unless the live worker's attached segment is this one (a doorbell's proof)."""
+        """Raise NotAttached unless the live worker's attachment is this segment or ticket (a connection's proof
+        on the doorbell or data socket)."""
         with self._cond:
             self.membership.get(worker_id)
-            segment = self._segments.get(worker_id)
-        if segment is None or segment.name != name or segment.nonce != nonce:
-            raise NotAttached(f"worker {worker_id} has no such segment attached on shard {self.index}")
+            attached = self._segments.get(worker_id)
+        if attached is None or attached.name != name or not hmac.compare_digest(attached.nonce, nonce):
+            raise NotAttached(f"worker {worker_id} has no such attachment on shard {self.index}")
 
     def segment(self, worker_id: str, model: ShardModel) -> shm.Segment:
         """The live worker's attached segment for `model`; NotAttached if it has none."""
+        attached = self.attachment(worker_id, model)
+        if not isinstance(attached, shm.Segment):
+            raise NotAttached(f"worker {worker_id} has no shared-memory segment attached on shard {self.index}")
+        return attached
+
+    def attachment(self, worker_id: str, model: ShardModel) -> shm.Segment | Ticket:
+        """The live worker's segment or ticket for `model`; NotAttached if it has none."""
         with self._cond:
             self.membership.get(worker_id)
-            segment = self._segments.get(worker_id)
-        if segment is None or segment.elements != model.numel:
-            raise NotAttached(f"worker {worker_id} has no shared-memory segment attached on shard {self.index}")
-        return segment
+            attached = self._segments.get(worker_id)
+        if attached is None or attached.elements != model.numel:
+            raise NotAttached(f"worker {worker_id} has nothing attached for this model on shard {self.index}")
+        return attached
 
     def heartbeat(self, worker_id: str) -> int:
         """Renew a worker's lease; return the version (UnknownWorker if it was evicted)."""

@@ -1,8 +1,9 @@
 """The inline Exchange: a worker without a shared-memory segment (another host) whose part of the model on a shard
-fits in one message sends its gradient and gets the weights back in one unary call per shard.
+fits in one message sends its gradient and gets the weights back in one unary call per shard, when the shard
+serves no data socket (or it cannot be reached).
 
 Real shards on 127.0.0.1 (threads, so `Shard.state_bytes` can show that a refused call changed nothing); clients
-with `shared_memory=False` stand in for workers on another host.
+with `shared_memory=False, data_socket=False` stand in for workers on another host without the data socket.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def test_inline_steps_match_shared_memory_and_local_sgd(ps_cluster_factory: Call
     for shared in (False, True):
         cluster = ps_cluster_factory(SGD, shards=2)
         weights = {k: v.clone() for k, v in _model().items()}
-        with PSClient(cluster.address, shared_memory=shared) as client:
+        with PSClient(cluster.address, shared_memory=shared, data_socket=False) as client:
             client.register(weights)
             b = client._bind(weights)
             assert all(b.placement.shard_elements(k) * 4 <= INLINE_BYTES for k in range(2))
@@ -70,7 +71,7 @@ def test_inline_steps_match_shared_memory_and_local_sgd(ps_cluster_factory: Call
 def test_inline_bf16_wire_rounds_only_what_travels(ps_cluster_factory: Callable[..., LocalCluster]) -> None:
     cluster = ps_cluster_factory(SGD, shards=2)
     weights = {k: v.clone() for k, v in _model().items()}
-    with PSClient(cluster.address, shared_memory=False, dtype="bf16") as client:
+    with PSClient(cluster.address, shared_memory=False, data_socket=False, dtype="bf16") as client:
         client.register(weights)
         client.push_pull(_grads(1))
         client.pull(weights)
@@ -84,7 +85,7 @@ def test_a_reader_that_did_not_join_pulls_inline(ps_cluster_factory: Callable[..
     with PSClient(cluster.address) as writer:
         writer.register(_model())
         writer.push_pull(_grads(1))
-        with PSClient(cluster.address, join=False, shared_memory=False) as reader:
+        with PSClient(cluster.address, join=False, shared_memory=False, data_socket=False) as reader:
             got = {k: torch.zeros_like(v) for k, v in _model().items()}
             assert reader.pull(got) == 1
     for k, v in _model().items():
@@ -96,7 +97,7 @@ def test_non_finite_inline_gradient_is_refused_and_changes_nothing(
     ps_cluster_factory: Callable[..., LocalCluster], bad: float
 ) -> None:
     cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=1, optimizer="adam", lr=0.01), shards=2)
-    with PSClient(cluster.address, shared_memory=False) as client:
+    with PSClient(cluster.address, shared_memory=False, data_socket=False) as client:
         client.register(_model())
         client.push_pull(_grads(1))
         before = _states(cluster)
@@ -110,7 +111,7 @@ def test_non_finite_inline_gradient_is_refused_and_changes_nothing(
 
 
 def _raw(cluster: LocalCluster) -> tuple[PSClient, ps_pb2_grpc.ParameterServerStub, grpc.Channel, str]:
-    client = PSClient(cluster.address, shared_memory=False)
+    client = PSClient(cluster.address, shared_memory=False, data_socket=False)
     client.register(_model())
     channel = grpc.insecure_channel(cluster.addresses[0])
     digest = client.digest(_model())

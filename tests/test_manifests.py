@@ -494,7 +494,7 @@ def test_metrics_are_exposed_and_scrapable(rendered: Rendered) -> None:
 # -- network policy, disruption budget ---------------------------------------------------------------------------
 
 
-def test_only_workers_reach_the_shards_grpc_port(rendered: Rendered) -> None:
+def test_only_workers_reach_the_shards_grpc_and_data_ports(rendered: Rendered) -> None:
     shard_labels, worker_labels = pod_labels(rendered.job(SHARD)), pod_labels(rendered.job(WORKER))
     policies = [p for p in rendered.all("NetworkPolicy") if labels_match(p["spec"]["podSelector"], shard_labels)]
     assert len(policies) == 1, "one NetworkPolicy selects the shards"
@@ -502,18 +502,23 @@ def test_only_workers_reach_the_shards_grpc_port(rendered: Rendered) -> None:
     assert "Ingress" in spec["policyTypes"]
     grpc = port_of(containers(rendered.job(SHARD), init=False)[0], "grpc")["containerPort"]  # type: ignore[index]
     metrics = port_of(containers(rendered.job(SHARD), init=False)[0], "metrics")["containerPort"]  # type: ignore[index]
-    admitted = {grpc: False, metrics: False}
+    data = port_of(containers(rendered.job(SHARD), init=False)[0], "data")["containerPort"]  # type: ignore[index]
+    _, args = resolved(rendered, SHARD)
+    assert args.data_port == data, "the shard serves its data socket on the port the pod declares"
+    admitted = {grpc: False, data: False, metrics: False}
     for rule in spec.get("ingress", []):
         ports = {p["port"] for p in rule.get("ports", [])}
         assert ports, "every ingress rule names its ports"
         peers = rule.get("from", [])
         assert peers, "no rule admits everyone"
-        if grpc in ports:
-            for peer in peers:
-                assert set(peer) == {"podSelector"}, "the gRPC port admits pods of this namespace only"
-                assert labels_match(peer["podSelector"], worker_labels), "the gRPC port admits worker pods only"
-                assert not labels_match(peer["podSelector"], shard_labels)
-            admitted[grpc] = True
+        assert grpc not in ports or data in ports, "a worker that reaches the gRPC port must reach the data socket"
+        for port in (grpc, data):
+            if port in ports:
+                for peer in peers:
+                    assert set(peer) == {"podSelector"}, f"port {port} admits pods of this namespace only"
+                    assert labels_match(peer["podSelector"], worker_labels), f"port {port} admits worker pods only"
+                    assert not labels_match(peer["podSelector"], shard_labels)
+                admitted[port] = True
         if metrics in ports:
             admitted[metrics] = True
     assert all(admitted.values()), f"ports admitted: {admitted}"

@@ -135,7 +135,7 @@ class Job:
             PS_WORKER, "--server", "shard-0:50051", "--no-progress", "--epochs", str(epochs), "--log-level", "INFO",
             "--metrics-out", str(self.dir / f"{name}.json"),
             # The namespaces share one kernel and one /proc, so shared memory would work across them; the point
-            # here is the network path that separate hosts use.
+            # here is the network path that separate hosts use: the shards' data sockets.
             "--no-shared-memory",
         ]  # fmt: skip
         self.workers[name] = self.lab.popen(name, argv, self.log(name), env=CHILD_ENV)

@@ -32,7 +32,7 @@ import torch
 from paramserver import shm
 from paramserver.cluster import LocalCluster
 from paramserver.config import ServerConfig
-from paramserver.doorbell import MAX_FRAME
+from paramserver.doorbell import MAX_FRAME, DoorbellClient
 from paramserver.errors import ERROR_KEY, NonFiniteGradient, NotAttached
 from paramserver.placement import SLICE_ELEMENTS, TensorSpec, place
 from paramserver.server import ShardServer
@@ -55,7 +55,8 @@ PERMISSION_DENIED_BYTE = grpc.StatusCode.PERMISSION_DENIED.value[0]
 DEADLINE_EXCEEDED_BYTE = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 GARBAGE = b"\x0a\x05ab"  # field 1, length 5, but only 2 bytes follow: no valid protobuf message
 _U32 = struct.Struct("<I")
-_F64 = struct.Struct("<d")
+REQUEST_HEAD = struct.Struct("<IdQ")  # message length, timeout, payload length
+REPLY_HEAD = struct.Struct("<IQ")  # body length, payload length
 HEADER = struct.Struct("<8s16sQ")  # magic, nonce, elements: the layout of AttachRequest in ps.proto
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 SEGMENT_LINK = "/memfd:paramserver-segment"  # how /proc shows a segment's memfd (followed by " (deleted)")
@@ -293,33 +294,51 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 
 class Bell:
-    """A Unix-socket connection to a shard's doorbell speaking the frames of paramserver/doorbell.py by hand."""
+    """A connection to a shard's doorbell (an abstract Unix socket name) or data socket ((host, port)) speaking the
+    frames of paramserver/doorbell.py by hand."""
 
-    def __init__(self, address: str) -> None:
-        assert address.startswith("\0"), "the doorbell is an abstract socket name"
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def __init__(self, address: str | tuple[str, int]) -> None:
+        if isinstance(address, str):
+            assert address.startswith("\0"), "the doorbell is an abstract socket name"
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        else:
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.settimeout(CALL_TIMEOUT + 5)
         self.sock.connect(address)
+        self.payload = b""  # the payload of the last reply
 
-    def send_body(self, body: bytes) -> None:
-        self.sock.sendall(_U32.pack(len(body)) + body)
-
-    def send(self, message: ps_pb2.AttachRequest | ps_pb2.ExchangeRequest, timeout: float = CALL_TIMEOUT) -> None:
-        self.send_body(_F64.pack(timeout) + message.SerializeToString())
+    def send(
+        self,
+        message: ps_pb2.AttachRequest | ps_pb2.ExchangeRequest,
+        timeout: float = CALL_TIMEOUT,
+        payload: bytes = b"",
+    ) -> None:
+        body = message.SerializeToString()
+        self.sock.sendall(REQUEST_HEAD.pack(len(body), timeout, len(payload)) + body + payload)
 
     def reply(self) -> bytes | None:
-        """One reply frame's body, or None when the shard closed the connection."""
-        head = _recv_exact(self.sock, _U32.size)
+        """One reply frame's body (its payload kept in self.payload), or None when the shard closed the
+        connection."""
+        head = _recv_exact(self.sock, REPLY_HEAD.size)
         if head is None:
             return None
-        body = _recv_exact(self.sock, _U32.unpack(head)[0])
+        length, size = REPLY_HEAD.unpack(head)
+        body = _recv_exact(self.sock, length)
         assert body is not None, "a reply frame was cut off"
+        payload = _recv_exact(self.sock, size) if size else b""
+        assert payload is not None, "a reply payload was cut off"
+        self.payload = payload
         return body
 
-    def call(self, message: ps_pb2.AttachRequest | ps_pb2.ExchangeRequest, timeout: float = CALL_TIMEOUT) -> bytes:
-        self.send(message, timeout)
+    def call(
+        self,
+        message: ps_pb2.AttachRequest | ps_pb2.ExchangeRequest,
+        timeout: float = CALL_TIMEOUT,
+        payload: bytes = b"",
+    ) -> bytes:
+        self.send(message, timeout, payload)
         body = self.reply()
-        assert body is not None, "the shard closed the doorbell connection instead of answering"
+        assert body is not None, "the shard closed the connection instead of answering"
         return body
 
     def closed_by_peer(self) -> bool:
@@ -366,17 +385,23 @@ def _train(client: PSClient, model: dict[str, torch.Tensor]) -> list[dict[str, t
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_shared_memory_and_streams_train_to_bit_identical_weights(
+def test_shared_memory_data_socket_and_streams_train_to_bit_identical_weights(
     ps_cluster_factory: Callable[..., LocalCluster], optimizer: str
 ) -> None:
     config = ServerConfig(mode="sync", workers=1, optimizer=optimizer, lr=0.05, weight_decay=0.01, job_name=JOB)
     fast = ps_cluster_factory(config, shards=2)
     slow = ps_cluster_factory(config, shards=2)
-    with PSClient(fast.address, job_name=JOB) as a, PSClient(slow.address, job_name=JOB, shared_memory=False) as b:
-        runs = [_train(a, _big_model()), _train(b, _big_model())]
+    remote = ps_cluster_factory(config, shards=2)
+    with (
+        PSClient(fast.address, job_name=JOB) as a,
+        PSClient(slow.address, job_name=JOB, shared_memory=False, data_socket=False) as b,
+        PSClient(remote.address, job_name=JOB, shared_memory=False) as c,
+    ):
+        runs = [_train(a, _big_model()), _train(b, _big_model()), _train(c, _big_model())]
         assert _uses_shm(a), "the shared-memory client never attached a segment or doorbell to every shard"
         assert a._streams_only == set()
         assert _uses_streams(b) and b.shared_memory is False
+        assert all(isinstance(x, DoorbellClient) for x in c._bells) and c._segments == [None, None]
         # The shards know the shm client's segments (the very ones it created), the streams client has none.
         for k, shard in enumerate(fast.shards):
             assert shard.segment(a.worker_id, shard.model).nonce == a._segments[k].nonce
@@ -385,13 +410,15 @@ def test_shared_memory_and_streams_train_to_bit_identical_weights(
                 shard.segment(b.worker_id, shard.model)
     assert [s.model.numel for s in fast.shards] == [s.model.numel for s in slow.shards]
     assert min(s.model.numel for s in fast.shards) > SLICE_ELEMENTS // 2, "the big tensor is sliced over both"
-    for step, (x, y) in enumerate(zip(*runs, strict=True)):
+    for step, (x, y, z) in enumerate(zip(*runs, strict=True)):
         for name in x:
             assert torch.equal(x[name], y[name]), f"{name} differs after step {step} ({optimizer})"
+            assert torch.equal(x[name], z[name]), f"{name} differs after step {step} ({optimizer}, data socket)"
             assert torch.isfinite(x[name]).all()
     assert not torch.equal(runs[0][0]["big"], runs[0][-1]["big"]), "training changed nothing"
     # Weights, optimizer state and version, byte for byte on each shard.
     assert [s.state_bytes() for s in fast.shards] == [s.state_bytes() for s in slow.shards]
+    assert [s.state_bytes() for s in fast.shards] == [s.state_bytes() for s in remote.shards]
 
 
 # -- 2. a shard without shared memory --------------------------------------------------------------------------------
@@ -401,9 +428,12 @@ def test_shard_with_shared_memory_disabled_gets_streams_and_no_segment_stays(
     ps_cluster_factory: Callable[..., LocalCluster],
 ) -> None:
     lr = 0.5
-    config = ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=lr, shared_memory=False, job_name=JOB)
+    config = ServerConfig(
+        mode="sync", workers=1, optimizer="sgd", lr=lr, shared_memory=False, data_socket=False, job_name=JOB
+    )
     cluster = ps_cluster_factory(config, shards=2)
     assert [s.servicer.doorbell for s in cluster.servers] == ["", ""]
+    assert [s.data_port for s in cluster.servers] == [0, 0]
     before, mapped = _fds(), _mapped()
     model = _big_model()
     start = _clone(model)
@@ -835,15 +865,20 @@ def test_doorbell_connection_speaks_for_its_worker_only(raw: Raw) -> None:
 
 
 def _garbage_cases() -> list[object]:
-    too_long = _U32.pack(MAX_FRAME + 1)
+    too_long = REQUEST_HEAD.pack(MAX_FRAME + 1, 1.0, 0)
+    garbage = REQUEST_HEAD.pack(len(GARBAGE), 1.0, 0) + GARBAGE
+    cut_off = REQUEST_HEAD.pack(100, 1.0, 0) + b"\0" * 10
+    hello_with_payload = REQUEST_HEAD.pack(0, 1.0, 4) + b"\0" * 4
     cases = [
-        ("garbage-hello", False, [_U32.pack(8 + len(GARBAGE)) + _F64.pack(1.0) + GARBAGE]),
-        ("short-hello", False, [_U32.pack(3) + b"abc"]),
+        ("garbage-hello", False, [garbage]),
+        ("short-hello", False, [_U32.pack(3), None]),  # None: half-close our side
+        ("cut-off-hello", False, [cut_off, None]),
+        ("hello-with-payload", False, [hello_with_payload]),
         ("oversized-hello", False, [too_long]),
-        ("garbage-exchange", True, [_U32.pack(8 + len(GARBAGE)) + _F64.pack(1.0) + GARBAGE]),
-        ("short-exchange", True, [_U32.pack(0)]),
+        ("garbage-exchange", True, [garbage]),
+        ("short-exchange", True, [_U32.pack(0), None]),
         ("oversized-exchange", True, [too_long]),
-        ("cut-off-exchange", True, [_U32.pack(100) + b"\0" * 10, None]),  # None: half-close our side
+        ("cut-off-exchange", True, [cut_off, None]),
     ]
     return [pytest.param(after_hello, frames, id=name) for name, after_hello, frames in cases]
 

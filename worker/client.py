@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -26,9 +27,10 @@ import numpy as np
 import torch
 
 from paramserver import codec, shm
-from paramserver.doorbell import DoorbellClient
+from paramserver.doorbell import DoorbellClient, split_host
 from paramserver.errors import (
     AlreadyInitialized,
+    DataSocketUnavailable,
     InitInProgress,
     MalformedStream,
     ModelMismatch,
@@ -41,7 +43,7 @@ from paramserver.errors import (
     from_rpc_error,
 )
 from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
-from paramserver.security import channel_credentials, open_channel
+from paramserver.security import channel_credentials, client_ssl_context, open_channel
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire import CHUNK_BYTES, ChunkReceiver, itemsize, iter_chunks, wire_dtype
 
@@ -80,6 +82,7 @@ _MODES = {ps_pb2.SYNC: "sync", ps_pb2.ASYNC: "async"}
 # on another host: one call, not two streams); larger parts are streamed in chunks.
 INLINE_BYTES = CHUNK_BYTES
 INIT_POLL_S = 0.1  # how often a worker asks again while another worker's Init of a shard runs
+CONNECT_S = 5.0  # how long connecting to a data socket may take before the worker settles for gRPC
 
 
 def channel_options(max_message_bytes: int = 4 * 1024 * 1024 + 4096) -> list[tuple[str, Any]]:
@@ -178,8 +181,10 @@ class PSClient:
     in one exchange per shard (what a training step needs). Also works on a plain mapping of name -> float32
     tensor (push then sends the tensors themselves as the gradient).
 
-    Shards on this host exchange tensors through shared memory (`shared_memory=False` forces the gRPC streams);
-    `dtype` ('float32', 'bf16', 'fp16') is the element type on the streams; shared memory always holds float32.
+    Shards on this host exchange tensors through shared memory (`shared_memory=False` turns that off); others
+    through their data socket, raw bytes over TCP (`data_socket=False` turns that off); the rest through gRPC:
+    one unary call per step for a small model, else Push and Pull streams. `dtype` ('float32', 'bf16', 'fp16')
+    is the element type on the network; shared memory always holds float32.
     """
 
     def __init__(
@@ -199,11 +204,16 @@ class PSClient:
         tls_server_name: str | None = None,
         auth_token: str | None = None,
         shared_memory: bool = True,
+        data_socket: bool = True,
     ) -> None:
         self.worker_id = worker_id or uuid.uuid4().hex
-        # Offer each shard a shared-memory segment; shards on other hosts refuse it and get streams.
+        # Offer each shard a shared-memory segment; shards on other hosts refuse it and get the data socket (or,
+        # where they serve none or it cannot be reached, the gRPC streams).
         self.shared_memory = shared_memory and shm.available()
+        self.data_socket = data_socket
         self._credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+        self._tls = client_ssl_context(tls_ca, tls_cert, tls_key)
+        self._tls_server_name = tls_server_name
         self._token = auth_token
         self._options = channel_options()
         if tls_server_name:
@@ -239,11 +249,13 @@ class PSClient:
         self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
         self._raw = [_RawStreams(c) for c in self._channels]
         self._pool = futures.ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps-client")
-        # Per shard: the attached shared-memory segment (one per worker and shard: the shard holds one model),
-        # the model digest it is laid out for, and its doorbell connection; shards that cannot share memory.
+        # Per shard: the attached shared-memory segment (one per worker and shard: the shard holds one model) and
+        # its doorbell connection, or the data-socket connection; the model digest they are for; the shards that
+        # cannot share memory, and those that take only gRPC.
         self._segments: list[shm.Segment | None] = [None] * len(self.addresses)
         self._segment_digest = [""] * len(self.addresses)
         self._bells: list[DoorbellClient | None] = [None] * len(self.addresses)
+        self._no_shm: set[int] = set()
         self._streams_only: set[int] = set()
         self.versions = [0] * len(self.addresses)  # what each shard's last pull returned
         self._min_next = [0] * len(self.addresses)  # the version a pull must wait for after a push
@@ -451,11 +463,14 @@ class PSClient:
         self, b: _Binding, k: int, grads: list[np.ndarray] | None, step: int, flats: list[np.ndarray] | None
     ) -> Callable[[], int]:
         """Begin shard k's part of an exchange; return a function that waits for it and returns its version."""
-        segment = self._segment(b, k)
-        if segment is None:
+        link = self._link(b, k)
+        if link is None:
             if b.placement.shard_elements(k) * itemsize(self.dtype) <= INLINE_BYTES:
                 return self._inline(b, k, grads, step, flats)
             return self._pool.submit(self._streams, b, k, grads, step, flats).result
+        if isinstance(link, DoorbellClient):
+            return self._socket(b, k, link, grads, step, flats)
+        segment = link
         base = self.versions[k]
         if grads is not None:
             for src, dst in zip(b.views(k, grads), b.regions(k, segment.grad), strict=True):
@@ -464,19 +479,58 @@ class PSClient:
         answer = self._ring(b, k, req)
 
         def finish() -> int:
-            reply = answer()
-            version = int(reply.version)
-            if grads is not None:
-                self._min_next[k] = base + 1
+            version = self._answered(b, k, answer(), base, grads is not None, flats is not None)
             if flats is not None:
-                self._check_digest(b, k, reply.pulled)
-                self._pulled(b, k, reply.pulled)
                 for src, dst in zip(b.regions(k, segment.weights), b.views(k, flats), strict=True):
                     np.copyto(dst, src)
-                version = int(reply.pulled.version)
             return version
 
         return finish
+
+    def _socket(
+        self,
+        b: _Binding,
+        k: int,
+        bell: DoorbellClient,
+        grads: list[np.ndarray] | None,
+        step: int,
+        flats: list[np.ndarray] | None,
+    ) -> Callable[[], int]:
+        """Shard k's part of an exchange over its data socket: the gradient goes out of the model's own memory and
+        the weights land straight in it."""
+        base = self.versions[k]
+        req = self._exchange_request(b, k, grads is not None, step, flats is not None)
+        req.dtype = self.dtype
+
+        def finish() -> int:
+            try:
+                bell.send(req, self.timeout, b.views(k, grads) if grads is not None else (), self.dtype)
+                reply = bell.receive(b.views(k, flats) if flats is not None else (), self.dtype)
+            except (OSError, ConnectionError) as exc:
+                raise self._lost(k, exc) from None
+            return self._answered(b, k, reply, base, grads is not None, flats is not None)
+
+        # The whole exchange in one thread per shard (shard 0 in the caller's), so the shards' transfers overlap.
+        return finish if k == 0 else self._pool.submit(finish).result
+
+    def _answered(
+        self, b: _Binding, k: int, reply: ps_pb2.ExchangeResponse, base: int, pushed: bool, pulled: bool
+    ) -> int:
+        """Note what shard k's Exchange reply says; return its version."""
+        version = int(reply.version)
+        if pushed:
+            self._min_next[k] = base + 1
+        if pulled:
+            self._check_digest(b, k, reply.pulled)
+            self._pulled(b, k, reply.pulled)
+            version = int(reply.pulled.version)
+        return version
+
+    def _lost(self, k: int, exc: BaseException) -> PSError:
+        """Shard k's doorbell or data socket failed (the shard went away, or the connection is out of step after a
+        timeout): forget it, and retry as UNAVAILABLE, which attaches afresh."""
+        self._drop_segment(k)
+        return RemoteError(f"shard {self.addresses[k]}: connection lost: {exc}", grpc.StatusCode.UNAVAILABLE)
 
     def _exchange_request(self, b: _Binding, k: int, push: bool, step: int, pull: bool) -> ps_pb2.ExchangeRequest:
         """Shard k's Exchange: a push on the version last pulled; a pull of the version that includes it."""
@@ -529,32 +583,40 @@ class PSClient:
         if bell is None:
             return self._pool.submit(self._stubs[k].Exchange, req, timeout=self.timeout).result
 
-        def lost(exc: BaseException) -> PSError:
-            # The shard went away (or the connection is out of step after a timeout): attach afresh.
-            self._drop_segment(k)
-            return RemoteError(f"shard {self.addresses[k]}: doorbell: {exc}", grpc.StatusCode.UNAVAILABLE)
-
         try:
             bell.send(req, self.timeout)
         except OSError as exc:
-            raise lost(exc) from None
+            raise self._lost(k, exc) from None
 
         def receive() -> ps_pb2.ExchangeResponse:
             try:
                 return bell.receive()
             except (OSError, ConnectionError) as exc:
-                raise lost(exc) from None
+                raise self._lost(k, exc) from None
 
         return receive
 
-    def _segment(self, b: _Binding, k: int) -> shm.Segment | None:
-        """Shard k's shared-memory segment for this model, attaching one first if needed; None: use streams."""
-        if not self.shared_memory or not self._joined or k in self._streams_only:
-            return None  # a segment belongs to a joined worker: a reader that did not join uses the streams
-        segment = self._segments[k]
-        if segment is not None and self._segment_digest[k] == b.placement.digest:
-            return segment
+    def _link(self, b: _Binding, k: int) -> shm.Segment | DoorbellClient | None:
+        """Shard k's attachment for this model, attaching first if needed: a shared-memory segment (same host) or
+        a data-socket connection; None: use gRPC."""
+        if not self._joined or k in self._streams_only:
+            return None  # an attachment belongs to a joined worker: a reader that did not join uses gRPC
+        if self._segment_digest[k] == b.placement.digest and (self._segments[k] or self._bells[k]) is not None:
+            return self._segments[k] or self._bells[k]
         self._drop_segment(k)
+        link: shm.Segment | DoorbellClient | None = None
+        if self.shared_memory and k not in self._no_shm:
+            link = self._attach_segment(b, k)
+        if link is None and self.data_socket:
+            link = self._attach_socket(b, k)
+        if link is None:
+            self._streams_only.add(k)
+        else:
+            self._segment_digest[k] = b.placement.digest
+        return link
+
+    def _attach_segment(self, b: _Binding, k: int) -> shm.Segment | None:
+        """Offer shard k a shared-memory segment for this model; None if it cannot use one."""
         segment = shm.Segment.create(b.placement.shard_elements(k))
         req = ps_pb2.AttachRequest(
             worker_id=self.worker_id,
@@ -566,20 +628,51 @@ class PSClient:
         try:
             reply = self._on_shard(k, lambda: self._stubs[k].Attach(req, timeout=self.timeout))
         except SharedMemoryUnavailable as exc:
-            log.info("shard %s cannot share memory with this worker (%s): using gRPC streams", self.addresses[k], exc)
-            self._streams_only.add(k)
+            log.info("shard %s cannot share memory with this worker (%s)", self.addresses[k], exc)
+            self._no_shm.add(k)
             segment.close()
             return None
         except BaseException:
             segment.close()
             raise
-        self._segments[k], self._segment_digest[k] = segment, b.placement.digest
+        self._segments[k] = segment
         if reply.doorbell:
             try:
                 self._bells[k] = DoorbellClient(reply.doorbell, req, self.addresses[k], timeout=self.timeout)
             except (OSError, ConnectionError, PSError) as exc:  # e.g. another network namespace: gRPC it is
                 log.info("shard %s: no doorbell (%s); Exchanges go by gRPC", self.addresses[k], exc)
         return segment
+
+    def _attach_socket(self, b: _Binding, k: int) -> DoorbellClient | None:
+        """Ask shard k for its data socket and connect; None if it serves none or it cannot be reached."""
+        req = ps_pb2.AttachRequest(
+            worker_id=self.worker_id,
+            nonce=secrets.token_bytes(shm.NONCE_BYTES),
+            elements=b.placement.shard_elements(k),
+            model_digest=b.placement.digest,
+            socket=True,
+        )
+        try:
+            reply = self._on_shard(k, lambda: self._stubs[k].Attach(req, timeout=self.timeout))
+        except (DataSocketUnavailable, SharedMemoryUnavailable) as exc:  # the latter: a shard that predates it
+            log.info("shard %s offers no data socket (%s): using gRPC", self.addresses[k], exc)
+            return None
+        where = (split_host(self.addresses[k]), int(reply.data_port))
+        try:
+            bell = DoorbellClient(
+                where, req, self.addresses[k], min(self.timeout, CONNECT_S), self._tls, self._tls_server_name
+            )
+        except (OSError, ConnectionError, PSError) as exc:
+            log.warning(
+                "shard %s: its data socket at %s:%d cannot be reached (%s); using gRPC (slower): open that port "
+                "where the gRPC port is open",
+                self.addresses[k],
+                *where,
+                exc,
+            )
+            return None
+        self._bells[k] = bell
+        return bell
 
     def _drop_segment(self, k: int) -> None:
         """Forget shard k's segment and doorbell (unmapping it); the next exchange attaches a new one."""

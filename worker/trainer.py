@@ -53,8 +53,12 @@ class TrainConfig:
     )
     shared_memory: bool = config_field(
         True,
-        "exchange tensors with shards on this host through shared memory and a Unix socket; "
-        "shards elsewhere always get gRPC streams",
+        "exchange tensors with shards on this host through shared memory and a Unix socket",
+    )
+    data_socket: bool = config_field(
+        True,
+        "exchange tensors with shards on other hosts as raw bytes over their TCP data socket (gRPC only for "
+        "control); off, or where a shard serves none or its port is closed: gRPC streams",
     )
     job_name: str = config_field("", "job to join; refused if the servers run another (default: any)")
     threads: int = config_field(1, "torch CPU threads (1 is fastest when shards and workers share the cores)")
@@ -152,6 +156,7 @@ def train(
         job_name=config.job_name,
         dtype=config.wire_dtype,
         shared_memory=config.shared_memory,
+        data_socket=config.data_socket,
         timeout=config.timeout,
         tls_ca=config.tls_ca,
         tls_cert=config.tls_cert,

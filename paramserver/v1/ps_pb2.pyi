@@ -228,24 +228,28 @@ class PushResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("worker_id", "name", "nonce", "elements", "model_digest")
+    __slots__ = ("worker_id", "name", "nonce", "elements", "model_digest", "socket")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     name: str
     nonce: bytes
     elements: int
     model_digest: str
-    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., nonce: _Optional[bytes] = ..., elements: _Optional[int] = ..., model_digest: _Optional[str] = ...) -> None: ...
+    socket: bool
+    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., nonce: _Optional[bytes] = ..., elements: _Optional[int] = ..., model_digest: _Optional[str] = ..., socket: _Optional[bool] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("doorbell",)
+    __slots__ = ("doorbell", "data_port")
     DOORBELL_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     doorbell: str
-    def __init__(self, doorbell: _Optional[str] = ...) -> None: ...
+    data_port: int
+    def __init__(self, doorbell: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
     __slots__ = ("worker_id", "model_digest", "push", "step", "base_version", "pull", "min_version", "incarnation", "inline", "dtype", "chunks")

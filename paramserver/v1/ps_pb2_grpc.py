@@ -140,8 +140,9 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Attach(self, request, context):
-        """Unary. Offer a shared-memory segment (same host only, see AttachRequest). FAILED_PRECONDITION when the shard
-        cannot use it (another host, or shared memory disabled on the shard): use Push and Pull instead.
+        """Unary. Offer a shared-memory segment (same host only), or ask for the data socket (see AttachRequest).
+        FAILED_PRECONDITION when the shard cannot use the segment (another host, or shared memory disabled on the
+        shard: ask for the data socket) or serves no data socket (use Push and Pull, or inline Exchanges).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
