@@ -244,10 +244,12 @@ class DoorbellServer:
         try:
             if self._tcp:
                 raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # A peer that does not prove itself within HANDSHAKE_TIMEOUT (TLS handshake and hello) holds no thread.
+            raw.settimeout(HANDSHAKE_TIMEOUT)
             if self._tls is not None:
-                raw.settimeout(HANDSHAKE_TIMEOUT)  # a peer that never finishes its handshake holds no thread
-                conn = self._tls.wrap_socket(raw, server_side=True)
-                conn.settimeout(None)
+                conn = self._tls.wrap_socket(raw, server_side=True)  # takes over raw's descriptor
+                with self._lock:
+                    self._conns[conn] = self._conns.pop(raw)  # so that close() shuts the live socket down
             hello = _read_request(conn, ps_pb2.AttachRequest)
             if hello is None:
                 return
@@ -259,6 +261,7 @@ class DoorbellServer:
                 _send_reply(conn, _error_body(exc))
                 return
             _send_reply(conn, b"\0")
+            conn.settimeout(None)  # a proven worker may wait as long as a pull may
             worker_id = hello[1].worker_id
             while (frame := _read_request(conn, ps_pb2.ExchangeRequest)) is not None:
                 timeout, request, size = frame
@@ -279,6 +282,7 @@ class DoorbellServer:
             log.debug("doorbell connection ended: %s", exc)
         finally:
             with self._lock:
+                self._conns.pop(conn, None)
                 self._conns.pop(raw, None)
             conn.close()
 
@@ -333,6 +337,9 @@ def tcp_listener(host: str, port: int) -> socket.socket:
     info = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(info[0], socket.SOCK_STREAM)
     try:
+        # A restarted shard must bind its fixed port again while the old connections sit in TIME_WAIT (on Linux
+        # this never lets two live listeners share a port).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(info[4])
     except BaseException:
         sock.close()

@@ -51,21 +51,23 @@ def itemsize(dtype: int) -> int:
 
 
 def encode(values: np.ndarray, dtype: int) -> bytes:
-    """Return float32 `values` as wire bytes (one copy; rounding to nearest even for the half types)."""
+    """Return float32 `values` as wire bytes (rounding to nearest even for the half types)."""
+    return bytes(encode_view(values, dtype))
+
+
+def encode_view(values: np.ndarray, dtype: int) -> memoryview:
+    """Like `encode`, but as a byte view: of `values` itself for contiguous float32 (no copy), else of the one
+    converted copy."""
     dtype = wire_dtype(dtype)
     if dtype == FLOAT32:
-        return values.astype("<f4", copy=False).tobytes()
-    if dtype == FLOAT16:
-        return values.astype("<f2").tobytes()
-    # numpy has no bfloat16; torch rounds correctly and its bits are the upper half of a float32.
-    return torch.from_numpy(np.ascontiguousarray(values)).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
-
-
-def encode_view(values: np.ndarray, dtype: int) -> bytes | memoryview:
-    """Like `encode`, but float32 comes back as a byte view of `values` itself, not a copy."""
-    if wire_dtype(dtype) == FLOAT32 and values.dtype == np.dtype("<f4") and values.flags.c_contiguous:
+        if values.dtype != np.dtype("<f4") or not values.flags.c_contiguous:
+            values = np.ascontiguousarray(values, dtype="<f4")
         return values.data.cast("B")
-    return encode(values, dtype)
+    if dtype == FLOAT16:
+        return values.astype("<f2").data.cast("B")
+    # numpy has no bfloat16; torch rounds correctly and its bits are the upper half of a float32.
+    half = torch.from_numpy(np.ascontiguousarray(values)).to(torch.bfloat16).view(torch.int16).numpy()
+    return half.data.cast("B")
 
 
 def decode_into(dst: np.ndarray, data: bytes | memoryview, dtype: int) -> None:
@@ -76,6 +78,7 @@ def decode_into(dst: np.ndarray, data: bytes | memoryview, dtype: int) -> None:
     elif dtype == FLOAT16:
         dst[:] = np.frombuffer(data, dtype="<f2")
     else:
+        # numpy, not torch: a chunk is too small for torch's thread pool, which stalls on busy cores.
         bits = dst.view(np.uint32)
         bits[:] = np.frombuffer(data, dtype="<u2")
         bits <<= 16

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from paramserver import codec, shm
-from paramserver.doorbell import DoorbellClient, split_host
+from paramserver.doorbell import DoorbellClient, payload_bytes, split_host
 from paramserver.errors import (
     AlreadyInitialized,
     DataSocketUnavailable,
@@ -501,17 +501,31 @@ class PSClient:
         base = self.versions[k]
         req = self._exchange_request(b, k, grads is not None, step, flats is not None)
         req.dtype = self.dtype
+        sent = b.views(k, grads) if grads is not None else []
+
+        def send() -> None:
+            try:
+                bell.send(req, self.timeout, sent, self.dtype)
+            except OSError as exc:
+                raise self._lost(k, exc) from None
 
         def finish() -> int:
             try:
-                bell.send(req, self.timeout, b.views(k, grads) if grads is not None else (), self.dtype)
                 reply = bell.receive(b.views(k, flats) if flats is not None else (), self.dtype)
             except (OSError, ConnectionError) as exc:
                 raise self._lost(k, exc) from None
             return self._answered(b, k, reply, base, grads is not None, flats is not None)
 
-        # The whole exchange in one thread per shard (shard 0 in the caller's), so the shards' transfers overlap.
-        return finish if k == 0 else self._pool.submit(finish).result
+        if payload_bytes(sent, self.dtype) <= INLINE_BYTES:
+            send()  # a small gradient fits the socket buffers: ring every shard from this thread, then collect
+            return finish
+
+        def exchange() -> int:
+            send()
+            return finish()
+
+        # A large one: the whole exchange in one thread per shard (shard 0 in the caller's), so transfers overlap.
+        return exchange if k == 0 else self._pool.submit(exchange).result
 
     def _answered(
         self, b: _Binding, k: int, reply: ps_pb2.ExchangeResponse, base: int, pushed: bool, pulled: bool
