@@ -333,7 +333,10 @@ class DoorbellServer:
 
 
 def tcp_listener(host: str, port: int) -> socket.socket:
-    """A bound TCP socket for a data socket (IPv4 or IPv6, as `host` says; port 0: the OS picks)."""
+    """A bound TCP socket for a data socket (IPv4 or IPv6, as `host` says, with or without the brackets gRPC
+    wants; port 0: the OS picks)."""
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
     info = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(info[0], socket.SOCK_STREAM)
     try:

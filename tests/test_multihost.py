@@ -357,7 +357,8 @@ def test_partitioned_worker_is_evicted_and_rejoins(job: Job) -> None:
 @needs_nft
 @pytest.mark.timeout(900)
 def test_tcp_reset_is_retried(job: Job) -> None:
-    """worker-0's TCP answered with resets for 2 s: its calls fail UNAVAILABLE, are retried, training completes."""
+    """worker-0's TCP answered with resets for 2 s: it notices (retries, or eviction and re-join), and training
+    completes."""
     t0 = time.monotonic()
     job.start_shards()
     for i in range(2):
@@ -382,20 +383,24 @@ def test_tcp_reset_is_retried(job: Job) -> None:
     assert m1["test_accuracy"] >= TARGET, m1
     v_before = job.version_at(t_cut)
     retries = _log_events(job.log("worker-0"), "unavailable")
-    assert retries, f"worker-0 never saw UNAVAILABLE:\n{job.text('worker-0')[-4000:]}"
-    assert all(t_cut - 1 <= t <= t_heal + 60 for t, _ in retries), retries
-    assert any("Connection reset" in line or "Connection refused" in line for _, line in retries), retries
     evicted = [t for t, _ in job.evictions(ids["worker-0"])]
     assert not job.evictions(ids["worker-1"]), job.evictions(ids["worker-1"])
     rejoined = _log_events(job.log("worker-0"), "re-joined shard")
+    # The resets reach whatever worker-0 sends meanwhile: a gRPC call fails UNAVAILABLE and is retried, or (when
+    # its only traffic is heartbeats, logged at debug level, while its step waits on an idle data-socket
+    # connection that sees no packet, hence no reset) the shards evict it and it re-joins after the heal.
+    assert retries or rejoined, f"worker-0 never noticed the resets:\n{job.text('worker-0')[-4000:]}"
+    assert all(t_cut - 1 <= t <= t_heal + 60 for t, _ in retries + rejoined), (retries, rejoined)
+    if retries:
+        assert any("Connection reset" in line or "Connection refused" in line for _, line in retries), retries
     _report(
         "reset",
         reset_seconds=round(t_heal - t_cut, 1),
         version_at_reset=v_before,
         version_at_heal=v_heal,
         unavailable_retries_logged=len(retries),
-        first_retry_after_seconds=round(retries[0][0] - t_cut, 2),
-        last_retry_after_heal_seconds=round(retries[-1][0] - t_heal, 2),
+        first_retry_after_seconds=round(retries[0][0] - t_cut, 2) if retries else None,
+        last_retry_after_heal_seconds=round(retries[-1][0] - t_heal, 2) if retries else None,
         evicted_after_seconds=[round(t - t_cut, 2) for t in evicted],
         rejoin_after_heal_seconds=[round(t - t_heal, 2) for t, _ in rejoined],
         accuracy=[m0["test_accuracy"], m1["test_accuracy"]],

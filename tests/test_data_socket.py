@@ -1,0 +1,666 @@
+"""The data socket: each shard's TCP listener for workers on other hosts (paramserver/doorbell.py, the servicer's
+Attach and exchange_frame, Shard.attach_socket).
+
+Real shards on 127.0.0.1 (threads, so `state_bytes()` shows that a refused request changed nothing); a client with
+shared_memory=False stands in for a worker on another host. Covered:
+
+- training over the data socket gives exactly the weights of SGD computed here, with small and sliced models;
+  a shard without shared memory sends a default client there; bf16 on the data socket is bit-identical to bf16
+  on the gRPC streams;
+- raw frames over TCP: the hello must present this worker's ticket; a payload of the wrong size, NaN or Inf, a
+  payload on a pull, an inline request, an unknown dtype, another model or another worker's id are refused with
+  their status and error type, change nothing and leave the connection in step; a frame announcing more than
+  the shard's part of the model is TooLarge and ends the connection;
+- Attach(socket=True) refusals, and a worker that left;
+- falling back to gRPC: a shard with no data socket, one whose data socket cannot be reached;
+- a lost connection re-attaches; a refused push keeps the connection; TLS, mutual TLS (and the handshake timeout)
+  and the bearer token hold for the data socket as for gRPC; a shard bound to an IPv6 host (gRPC's bracketed form).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import socket
+import ssl
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from test_security_metrics import _cert, _key, _write
+from test_shared_memory import (
+    CALL_TIMEOUT,
+    JOB,
+    OK_BYTE,
+    OTHER,
+    RAW_CONFIG,
+    REPLY_HEAD,
+    REQUEST_HEAD,
+    WORKER,
+    Bell,
+    Raw,
+    _big_model,
+    _clone,
+    _error,
+    _eventually,
+    _like,
+    _local_sgd,
+    _small_model,
+    _status,
+)
+
+from paramserver import doorbell, shm
+from paramserver.cluster import LocalCluster
+from paramserver.config import ServerConfig
+from paramserver.doorbell import DoorbellClient
+from paramserver.errors import NonFiniteGradient, NotAttached
+from paramserver.security import client_ssl_context
+from paramserver.server import ShardServer
+from paramserver.shard import Shard, Ticket
+from paramserver.v1 import ps_pb2, ps_pb2_grpc
+from paramserver.wire import BFLOAT16, FLOAT32, encode
+from worker.client import PSClient
+
+pytestmark = pytest.mark.timeout(60)
+
+INV, FP, ABORTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED
+NOT_ATTACHED = (FP.value[0], "NotAttached")
+UNKNOWN_WORKER = (ABORTED.value[0], "UnknownWorker")
+MALFORMED = (INV.value[0], "MalformedStream")
+GRAD = (np.arange(15, dtype=np.float32) - 7) / 4  # exact in bf16
+Model = dict[str, torch.Tensor]
+
+
+# -- helpers ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def raw(ps_cluster_factory: Callable[..., LocalCluster], tmp_path: Path) -> Iterator[Raw]:
+    """A one-shard async job holding `_small_model()` (15 elements), WORKER and OTHER joined by raw stub."""
+    cluster = ps_cluster_factory(RAW_CONFIG, shards=1)
+    model = _small_model()
+    with PSClient(cluster.address, worker_id="registrar", job_name=JOB, shared_memory=False) as client:
+        client.register(model)
+        digest = client.digest(model)
+    channel = grpc.insecure_channel(cluster.address)
+    try:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        for worker in (WORKER, OTHER):
+            stub.Join(ps_pb2.JoinRequest(worker_id=worker, job_name=JOB), timeout=CALL_TIMEOUT)
+        yield Raw(cluster, stub, digest, 15, tmp_path)
+    finally:
+        channel.close()
+
+
+def _hello(worker_id: str, shard: Shard, **changes: object) -> ps_pb2.AttachRequest:
+    """A data-socket Attach (and hello) for `shard`'s model with a fresh 16-byte nonce, as a PSClient sends it."""
+    assert shard.model is not None
+    fields: dict[str, object] = {
+        "nonce": secrets.token_bytes(16),
+        "elements": shard.model.numel,
+        "model_digest": shard.model.digest,
+        **changes,
+    }
+    return ps_pb2.AttachRequest(worker_id=worker_id, socket=True, **fields)
+
+
+def _ticket(raw: Raw, worker_id: str = WORKER, **changes: object) -> ps_pb2.AttachRequest:
+    return _hello(worker_id, raw.shard, **changes)
+
+
+def _attach(raw: Raw, ticket: ps_pb2.AttachRequest) -> int:
+    return raw.stub.Attach(ticket, timeout=CALL_TIMEOUT).data_port
+
+
+def _port(raw: Raw) -> tuple[str, int]:
+    port = raw.cluster.servers[0].data_port
+    assert port, "the shard serves no data socket"
+    return "127.0.0.1", port
+
+
+@contextlib.contextmanager
+def _bell(address: tuple[str, int], tls: ssl.SSLContext | None = None) -> Iterator[Bell]:
+    """A raw connection to a data socket (in TLS with `tls`), closed afterwards."""
+    bell = Bell(address)
+    try:
+        if tls is not None:
+            bell.sock = tls.wrap_socket(bell.sock, server_hostname=address[0])
+        yield bell
+    finally:
+        bell.close()
+
+
+@contextlib.contextmanager
+def _session(raw: Raw, hello: ps_pb2.AttachRequest | None = None) -> Iterator[Bell]:
+    """A data-socket connection that said its hello (attaching a new ticket for WORKER unless one is given)."""
+    if hello is None:
+        hello = _ticket(raw)
+        _attach(raw, hello)
+    with _bell(_port(raw)) as bell:
+        assert bell.call(hello) == bytes([OK_BYTE]), "the shard refused a good hello"
+        yield bell
+
+
+def _refused_hello(raw: Raw, hello: ps_pb2.AttachRequest) -> tuple[int, str]:
+    """(status byte, error type) of a refused hello, which must end its connection."""
+    with _bell(_port(raw)) as bell:
+        got = _error(bell.call(hello))[:2]
+        assert bell.closed_by_peer(), "a refused hello must end the connection"
+    return got
+
+
+def _ok(body: bytes) -> ps_pb2.ExchangeResponse:
+    assert body[0] == OK_BYTE, _error(body)
+    return ps_pb2.ExchangeResponse.FromString(body[1:])
+
+
+def _f32(values: np.ndarray) -> bytes:
+    return np.ascontiguousarray(values, dtype="<f4").tobytes()
+
+
+def _sgd(params: np.ndarray, grad: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(params.copy()).add_(torch.from_numpy(grad), alpha=-RAW_CONFIG.lr).numpy()
+
+
+def _on_data_socket(client: PSClient) -> bool:
+    return (
+        all(isinstance(b, DoorbellClient) for b in client._bells)
+        and all(s is None for s in client._segments)
+        and not client._streams_only
+    )
+
+
+def _equal(got: Model, want: Model) -> None:
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
+def _train(client: PSClient, model: Model, lr: float = 0.1) -> None:
+    """register, push, pull, push_pulls: after each, the weights are SGD's computed here."""
+    start, grads = _clone(model), [_like(model, s) for s in (1, 2, 3)]
+    assert client.register(model) == 0
+    assert client.push(grads[0]) == 1
+    assert client.pull(model) == 1
+    _equal(model, _local_sgd(start, grads[:1], lr))
+    for n in (2, 3):
+        g = _clone(grads[n - 1])
+        assert client.push_pull(g) == n
+        _equal(g, _local_sgd(start, grads[:n], lr))
+    assert client.pull(model) == 3
+    _equal(model, _local_sgd(start, grads, lr))
+
+
+def _config(**changes: object) -> ServerConfig:
+    return ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=0.1, job_name=JOB).replace(**changes)
+
+
+def _client(cluster: LocalCluster, **options: object) -> PSClient:
+    """A worker 'on another host': no shared memory."""
+    return PSClient(cluster.address, job_name=JOB, shared_memory=False, timeout=CALL_TIMEOUT, **options)
+
+
+def _ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+# -- 1. training over the data socket ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [_small_model, _big_model], ids=["small", "sliced"])
+def test_a_client_on_another_host_trains_over_the_data_socket(
+    ps_cluster_factory: Callable[..., LocalCluster], make: Callable[[], Model]
+) -> None:
+    cluster = ps_cluster_factory(_config(), shards=2)
+    with _client(cluster) as client:
+        model = make()
+        client.register(model)
+        assert _on_data_socket(client)
+        bells = list(client._bells)
+        _train(client, model)  # registers again: the shards hold the model
+        assert _on_data_socket(client) and client._bells == bells, "the client reconnected without a cause"
+        for server, bell in zip(cluster.servers, bells, strict=True):
+            assert bell is not None and bell._sock.getpeername() == ("127.0.0.1", server.data_port)
+            ticket = server.shard.attachment(client.worker_id, server.shard.model)
+            assert isinstance(ticket, Ticket) and ticket.elements == server.shard.model.numel and ticket.name == ""
+
+
+@pytest.mark.skipif(not shm.available(), reason="no memfd or /proc on this host")
+def test_a_shard_without_shared_memory_sends_a_default_client_to_the_data_socket(
+    ps_cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    cluster = ps_cluster_factory(_config(shared_memory=False), shards=2)
+    with PSClient(cluster.address, job_name=JOB, timeout=CALL_TIMEOUT) as client:
+        assert client.shared_memory
+        _train(client, _big_model())
+        assert client._no_shm == {0, 1} and _on_data_socket(client)
+
+
+def test_a_refused_push_keeps_the_data_socket_connection(ps_cluster_factory: Callable[..., LocalCluster]) -> None:
+    cluster = ps_cluster_factory(_config(), shards=2)
+    model = _big_model()
+    with _client(cluster) as client:
+        client.register(model)
+        bells, before = list(client._bells), [s.state_bytes() for s in cluster.shards]
+        bad = _like(model, 1)
+        bad["big"][0, 5] = bad["big"][-1, 5] = float("nan")  # on both shards' slices
+        with pytest.raises(NonFiniteGradient):
+            client.push_pull(bad)
+        assert [s.state_bytes() for s in cluster.shards] == before
+        g, good = _clone(_like(model, 2)), _like(model, 2)
+        assert client.push_pull(g) == 1
+        _equal(g, _local_sgd(model, [good], 0.1))
+        assert client._bells == bells, "a refusal ended a connection that was in step"
+
+
+def _bf16_steps(client: PSClient) -> list[Model]:
+    model = _big_model()
+    client.register(model)
+    seen = [_clone(model)]
+    for seed in (1, 2, 3):
+        g = _like(model, seed)
+        client.push_pull(g)
+        seen.append(_clone(g))
+    client.push(_like(model, 4))
+    client.pull(model)
+    return [*seen, _clone(model)]
+
+
+def test_bf16_over_the_data_socket_is_bit_identical_to_bf16_over_the_streams(
+    ps_cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    config = _config(optimizer="adam", lr=0.01, weight_decay=0.01)
+    fast, slow = ps_cluster_factory(config, shards=2), ps_cluster_factory(config, shards=2)
+    with _client(fast, dtype="bf16") as a, _client(slow, dtype="bf16", data_socket=False) as b:
+        runs = _bf16_steps(a), _bf16_steps(b)
+        assert _on_data_socket(a)
+        assert b._streams_only == {0, 1} and b._bells == [None, None]
+    for step, (x, y) in enumerate(zip(*runs, strict=True)):
+        for name in x:
+            assert torch.equal(x[name], y[name]), f"{name} differs after step {step}"
+            if step:  # pulled in bf16: the low half of every float32 is zero
+                assert not (x[name].view(torch.int32) & 0xFFFF).any(), f"{name} was not pulled in bf16"
+    assert not torch.equal(runs[0][0]["big"], runs[0][-1]["big"]), "training changed nothing"
+    assert [s.state_bytes() for s in fast.shards] == [s.state_bytes() for s in slow.shards]
+
+
+@pytest.mark.skipif(not _ipv6(), reason="no IPv6 loopback")
+def test_a_shard_on_ipv6_serves_its_data_socket(ps_cluster_factory: Callable[..., LocalCluster]) -> None:
+    cluster = ps_cluster_factory(_config(), shards=1, host="[::1]")
+    assert cluster.address.startswith("[::1]:") and cluster.servers[0].data_port
+    with _client(cluster) as client:
+        _train(client, _small_model())
+        assert _on_data_socket(client) and client._bells[0] is not None
+        assert client._bells[0]._sock.getpeername()[:2] == ("::1", cluster.servers[0].data_port)
+
+
+# -- 2. raw frames over TCP ------------------------------------------------------------------------------------------
+
+
+def test_data_socket_hello_must_present_the_workers_ticket(raw: Raw) -> None:
+    mine, theirs = _ticket(raw), _ticket(raw, OTHER)
+    assert _attach(raw, mine) == _port(raw)[1]
+    _attach(raw, theirs)
+    cases = [
+        (_ticket(raw), NOT_ATTACHED),  # a nonce never attached
+        (_ticket(raw, nonce=theirs.nonce), NOT_ATTACHED),  # another worker's 16-byte ticket
+        (_ticket(raw, OTHER, nonce=mine.nonce), NOT_ATTACHED),  # my ticket, claiming to be OTHER
+        (_ticket(raw, nonce=mine.nonce[:15]), NOT_ATTACHED),
+        (_ticket(raw, nonce=mine.nonce, name="1/3"), NOT_ATTACHED),  # a segment's name: no ticket has one
+        (_ticket(raw, "stranger", nonce=mine.nonce), UNKNOWN_WORKER),
+    ]
+    for hello, want in cases:
+        assert _refused_hello(raw, hello) == want, hello
+    with _session(raw, mine) as bell:
+        reply = _ok(bell.call(raw.request(pull=True)))
+        assert (reply.pulled.version, reply.pulled.model_digest) == (0, raw.digest)
+        assert reply.pulled.incarnation == raw.shard.incarnation
+        assert bell.payload == raw.params().tobytes()
+
+
+def test_a_payload_of_the_wrong_size_is_refused_and_the_connection_stays_in_step(raw: Raw) -> None:
+    w0, before = raw.params(), raw.shard.state_bytes()
+    with _session(raw) as bell:
+        push = raw.request(push=True, step=1, base_version=0, pull=True, min_version=1)
+        wrong = [
+            (FLOAT32, _f32(GRAD[:-1])),  # one element short
+            (FLOAT32, b""),  # a push with no gradient at all
+            (FLOAT32, _f32(GRAD)[:-2]),  # no whole number of elements
+            (FLOAT32, encode(GRAD, BFLOAT16)),  # bf16 bytes sent as float32
+            (BFLOAT16, _f32(GRAD)),  # float32 bytes (the largest payload allowed) sent as bf16
+        ]
+        for dtype, payload in wrong:
+            push.dtype = dtype
+            status, kind, message = _error(bell.call(push, payload=payload))
+            assert (status, kind) == MALFORMED, (dtype, len(payload), message)
+            assert f"{len(payload)} bytes" in message and bell.payload == b""
+            assert raw.shard.state_bytes() == before
+        # The same connection, in step: a correct push and pull.
+        push.dtype = FLOAT32
+        reply = _ok(bell.call(push, payload=_f32(GRAD)))
+        assert (reply.version, reply.applied, reply.pulled.version) == (1, True, 1)
+        assert np.array_equal(raw.params(), _sgd(w0, GRAD))
+        assert bell.payload == raw.params().tobytes()
+        # And in bf16: the gradient and the weights both travel as 2 bytes an element.
+        w1 = raw.params()
+        request = raw.request(push=True, step=2, base_version=1, pull=True, min_version=2, dtype=BFLOAT16)
+        reply = _ok(bell.call(request, payload=encode(GRAD, BFLOAT16)))
+        assert (reply.version, reply.applied, reply.pulled.version) == (2, True, 2)
+        assert np.array_equal(raw.params(), _sgd(w1, GRAD))
+        assert bell.payload == encode(raw.params(), BFLOAT16)
+
+
+@pytest.mark.parametrize(("dtype", "bad"), [(FLOAT32, np.nan), (BFLOAT16, np.inf)], ids=["f32-nan", "bf16-inf"])
+def test_a_non_finite_gradient_is_refused_and_changes_nothing(raw: Raw, dtype: int, bad: float) -> None:
+    w0, before = raw.params(), raw.shard.state_bytes()
+    grad = GRAD.copy()
+    grad[3] = bad
+    with _session(raw) as bell:
+        request = raw.request(push=True, step=1, base_version=0, pull=True, min_version=1, dtype=dtype)
+        status, kind, message = _error(bell.call(request, payload=encode(grad, dtype)))
+        assert (status, kind) == (INV.value[0], "NonFiniteGradient") and "NaN or Inf" in message
+        assert raw.shard.state_bytes() == before and raw.shard.version == 0
+        # Step 1 again, finite: applied (the refused push was never recorded), on the same connection.
+        reply = _ok(bell.call(request, payload=encode(GRAD, dtype)))
+        assert (reply.version, reply.applied) == (1, True)
+        assert np.array_equal(raw.params(), _sgd(w0, GRAD))
+
+
+def test_a_frame_announcing_more_than_the_model_is_too_large_and_ends_the_connection(raw: Raw) -> None:
+    hello = _ticket(raw)
+    _attach(raw, hello)
+    before = raw.shard.state_bytes()
+    body = raw.request(push=True, step=1, base_version=0).SerializeToString()
+    for size in (raw.elements * 4 + 1, 1 << 40):
+        with _session(raw, hello) as bell:
+            bell.sock.sendall(REQUEST_HEAD.pack(len(body), CALL_TIMEOUT, size) + body)  # the header only
+            reply = bell.reply()
+            assert reply is not None, "the shard closed the connection without saying why"
+            assert _error(reply)[:2] == (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], "TooLarge"), size
+            assert bell.closed_by_peer(), "the connection must end after a TooLarge frame"
+        assert raw.shard.state_bytes() == before
+    rejected = raw.shard.metrics.registry.get_sample_value(
+        "paramserver_rejected_total", {"shard": "0", "reason": "TooLarge"}
+    )
+    assert rejected == 2
+    with _session(raw, hello) as bell:  # the ticket still holds
+        assert _ok(bell.call(raw.request(pull=True))).pulled.version == 0
+
+
+def test_requests_the_data_socket_refuses_change_nothing_and_keep_the_connection(raw: Raw) -> None:
+    _attach(raw, _ticket(raw, OTHER))  # OTHER is live and attached: only the connection's identity is wrong
+    w0, before = raw.params(), raw.shard.state_bytes()
+    grad = _f32(GRAD)
+    denied = grpc.StatusCode.PERMISSION_DENIED.value[0]
+    push = {"push": True, "step": 1, "base_version": 0}
+    other_model = ps_pb2.ExchangeRequest(worker_id=WORKER, model_digest="0" * 64, pull=True, **push)
+    cases = [
+        (raw.request(pull=True), grad, MALFORMED, "without push"),
+        (raw.request(pull=True), b"\0" * 4, MALFORMED, "without push"),
+        (raw.request(pull=True, inline=True), b"", MALFORMED, "inline"),
+        (raw.request(pull=True, inline=True, **push), grad, MALFORMED, "inline"),
+        (raw.request(dtype=7, **push), grad, MALFORMED, "dtype"),
+        (raw.request(OTHER, pull=True, **push), grad, (denied, ""), WORKER),
+        (raw.request(OTHER, pull=True), b"", (denied, ""), WORKER),
+        (other_model, grad, (FP.value[0], "ModelMismatch"), "0" * 12),
+    ]
+    with _session(raw) as bell:
+        for request, payload, want, said in cases:
+            status, kind, message = _error(bell.call(request, payload=payload))
+            assert (status, kind) == want and said in message, (request, message)
+            assert bell.payload == b"" and raw.shard.state_bytes() == before
+        reply = _ok(bell.call(raw.request(pull=True, min_version=1, **push), payload=grad))
+        assert (reply.version, reply.applied, reply.pulled.version) == (1, True, 1)
+        assert bell.payload == raw.params().tobytes() and np.array_equal(raw.params(), _sgd(w0, GRAD))
+
+
+def test_socket_attach_refusals_attach_nothing(raw: Raw) -> None:
+    cases = [
+        (_ticket(raw, nonce=secrets.token_bytes(15)), INV, "InvalidArgument"),
+        (_ticket(raw, nonce=secrets.token_bytes(17)), INV, "InvalidArgument"),
+        (_ticket(raw, nonce=b""), INV, "InvalidArgument"),
+        (_ticket(raw, elements=raw.elements + 1), INV, "InvalidArgument"),
+        (_ticket(raw, elements=0), INV, "InvalidArgument"),
+        (_ticket(raw, model_digest="0" * 64), FP, "ModelMismatch"),
+        (_ticket(raw, "stranger"), ABORTED, "UnknownWorker"),
+    ]
+    model = raw.shard.model
+    for ticket, code, kind in cases:
+        assert raw.refused(lambda t=ticket: _attach(raw, t))[:2] == (code, kind), ticket
+        with pytest.raises(NotAttached):
+            raw.shard.attachment(WORKER, model)
+        want = UNKNOWN_WORKER if ticket.worker_id == "stranger" else NOT_ATTACHED
+        assert _refused_hello(raw, ticket) == want
+    # A good ticket is taken; a second one replaces it.
+    first, second = _ticket(raw), _ticket(raw)
+    _attach(raw, first)
+    assert raw.shard.attachment(WORKER, model) == Ticket(first.nonce, raw.elements)
+    _attach(raw, second)
+    assert _refused_hello(raw, first) == NOT_ATTACHED
+    with _session(raw, second):
+        pass
+
+
+def test_a_worker_that_leaves_loses_its_ticket(raw: Raw) -> None:
+    hello = _ticket(raw)
+    _attach(raw, hello)
+    with _session(raw, hello) as bell:  # connected before it leaves
+        raw.stub.Leave(ps_pb2.LeaveRequest(worker_id=WORKER), timeout=CALL_TIMEOUT)
+        before = raw.shard.state_bytes()
+        push = raw.request(push=True, step=1, base_version=0, pull=True)
+        assert _error(bell.call(push, payload=_f32(GRAD)))[:2] == UNKNOWN_WORKER
+        assert _error(bell.call(raw.request(pull=True)))[:2] == UNKNOWN_WORKER
+        assert _refused_hello(raw, hello) == UNKNOWN_WORKER
+        # Back in the job, the ticket stays dropped: for the open connection and for a new hello.
+        raw.stub.Join(ps_pb2.JoinRequest(worker_id=WORKER, job_name=JOB), timeout=CALL_TIMEOUT)
+        assert _error(bell.call(push, payload=_f32(GRAD)))[:2] == NOT_ATTACHED
+        assert _refused_hello(raw, hello) == NOT_ATTACHED
+        assert raw.shard.state_bytes() == before
+    _attach(raw, hello)
+    with _session(raw, hello) as bell:
+        assert _ok(bell.call(raw.request(pull=True))).pulled.version == 0
+
+
+# -- 3. falling back to gRPC, and losing the connection ---------------------------------------------------------------
+
+
+def test_a_shard_without_a_data_socket_refuses_the_attach_and_the_client_uses_grpc(
+    ps_cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    cluster = ps_cluster_factory(_config(data_socket=False), shards=2)
+    assert [s.data_port for s in cluster.servers] == [0, 0]
+    with _client(cluster) as client:
+        _train(client, _big_model())
+        assert client._streams_only == {0, 1}
+        assert client._bells == [None, None] and client._segments == [None, None]
+    shard = cluster.shards[0]
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        stub.Join(ps_pb2.JoinRequest(worker_id=WORKER, job_name=JOB), timeout=CALL_TIMEOUT)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Attach(_hello(WORKER, shard), timeout=CALL_TIMEOUT)
+    assert _status(info.value) == (FP, "DataSocketUnavailable")
+    with pytest.raises(NotAttached):
+        shard.attachment(WORKER, shard.model)
+
+
+@pytest.mark.parametrize("how", ["listener-closed", "nothing-listens"])
+def test_an_unreachable_data_socket_falls_back_to_grpc_with_a_warning(
+    ps_cluster_factory: Callable[..., LocalCluster], caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    cluster = ps_cluster_factory(_config(), shards=2)
+    server: ShardServer = cluster.servers[0]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as blocker:  # bound, never listening: refused
+        if how == "listener-closed":
+            assert server._data is not None
+            server._data.close()
+        else:
+            blocker.bind(("127.0.0.1", 0))
+            server.servicer.data_port = blocker.getsockname()[1]
+        port = server.data_port
+        with caplog.at_level(logging.WARNING, logger="worker.client"), _client(cluster) as client:
+            _train(client, _big_model())
+            assert client._streams_only == {0} and client._bells[0] is None
+            assert isinstance(client._bells[1], DoorbellClient)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "worker.client" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert f"127.0.0.1:{port}" in warnings[0] and "cannot be reached" in warnings[0]
+
+
+def _cut(server: ShardServer) -> int:
+    """Shut down the shard's side of every data-socket connection; return how many there were."""
+    assert server._data is not None
+    with server._data._lock:
+        conns = list(server._data._conns)
+    for conn in conns:
+        conn.shutdown(socket.SHUT_RDWR)
+    return len(conns)
+
+
+@pytest.mark.parametrize("make", [_small_model, _big_model], ids=["small", "sliced"])
+def test_a_lost_connection_is_attached_again_and_training_goes_on(
+    ps_cluster_factory: Callable[..., LocalCluster], make: Callable[[], Model]
+) -> None:
+    cluster = ps_cluster_factory(_config(), shards=2)
+    model = make()
+    start, grads = _clone(model), [_like(model, s) for s in (1, 2, 3)]
+    with _client(cluster) as client:
+        client.register(model)
+        assert client.push_pull(_clone(grads[0])) == 1
+        old = list(client._bells)
+        assert _cut(cluster.servers[0]) == 1
+        g = _clone(grads[1])
+        assert client.push_pull(g) == 2
+        _equal(g, _local_sgd(start, grads[:2], 0.1))
+        assert _on_data_socket(client) and client._bells[0] is not old[0] and client._bells[1] is old[1]
+        old = list(client._bells)
+        assert [_cut(s) for s in cluster.servers] == [1, 1]
+        g = _clone(grads[2])
+        assert client.push_pull(g) == 3
+        _equal(g, _local_sgd(start, grads, 0.1))
+        assert _on_data_socket(client) and all(b is not o for b, o in zip(client._bells, old, strict=True))
+        assert [s.version for s in cluster.shards] == [3, 3]
+        assert _eventually(lambda: [len(s._data._conns) for s in cluster.servers] == [1, 1]), "a cut one lingers"
+
+
+# -- 4. TLS, mutual TLS, the bearer token ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A CA, a shard certificate for 127.0.0.1, a client certificate."""
+    d = tmp_path_factory.mktemp("pki")
+    ca_key, server_key, client_key = _key(), _key(), _key()
+    ca = _cert("paramserver test CA", ca_key, ca=True)
+    return {
+        "ca": _write(d / "ca.pem", ca),
+        "server_cert": _write(d / "server.pem", _cert("shard", server_key, ca.subject, ca_key, server=True)),
+        "server_key": _write(d / "server.key", key=server_key),
+        "client_cert": _write(d / "client.pem", _cert("worker", client_key, ca.subject, ca_key)),
+        "client_key": _write(d / "client.key", key=client_key),
+    }
+
+
+def _answered(bell: Bell, hello: ps_pb2.AttachRequest) -> bytes:
+    """Send a hello; return all the shard sends back before it ends the connection (b"": nothing)."""
+    data = b""
+    try:
+        bell.send(hello)
+        while chunk := bell.sock.recv(4096):
+            data += chunk
+    except (ConnectionError, ssl.SSLError):
+        pass
+    return data
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
+def test_the_data_socket_speaks_tls_when_the_grpc_port_does(
+    ps_cluster_factory: Callable[..., LocalCluster], pki: dict[str, str], mutual: bool
+) -> None:
+    ca, cert, key = pki["ca"], pki["client_cert"] if mutual else None, pki["client_key"] if mutual else None
+    config = _config(tls_cert=pki["server_cert"], tls_key=pki["server_key"], tls_ca=ca if mutual else None)
+    cluster = ps_cluster_factory(config, shards=2)
+    with _client(cluster, tls_ca=ca, tls_cert=cert, tls_key=key) as client:
+        _train(client, _small_model())
+        assert _on_data_socket(client)
+        assert all(isinstance(b._sock, ssl.SSLSocket) for b in client._bells if b is not None)
+    shard, address = cluster.shards[0], ("127.0.0.1", cluster.servers[0].data_port)
+    read = [Path(f).read_bytes() if f else None for f in (ca, key, cert)]
+    with grpc.secure_channel(cluster.address, grpc.ssl_channel_credentials(*read)) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        stub.Join(ps_pb2.JoinRequest(worker_id=WORKER, job_name=JOB), timeout=CALL_TIMEOUT)
+        hello = _hello(WORKER, shard)
+        assert stub.Attach(hello, timeout=CALL_TIMEOUT).data_port == address[1]
+    with _bell(address) as bell:  # plaintext, even with the right ticket: no reply frame, the connection ends
+        assert not _answered(bell, hello).startswith(REPLY_HEAD.pack(1, 0))
+    if mutual:  # TLS without a client certificate: refused in the handshake, or right after it
+        with (
+            contextlib.suppress(ssl.SSLError, ConnectionError),
+            _bell(address, client_ssl_context(ca, None, None)) as b,
+        ):
+            assert _answered(b, hello) == b""
+    with _bell(address, client_ssl_context(ca, cert, key)) as bell:
+        assert bell.call(hello) == bytes([OK_BYTE])
+        request = ps_pb2.ExchangeRequest(worker_id=WORKER, model_digest=shard.model.digest, pull=True)
+        assert _ok(bell.call(request)).pulled.version == 3
+        assert bell.payload == shard.model.params.numpy().tobytes()
+
+
+def test_a_tls_handshake_never_finished_is_let_go(
+    ps_cluster_factory: Callable[..., LocalCluster], pki: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(doorbell, "HANDSHAKE_TIMEOUT", 0.2)
+    cluster = ps_cluster_factory(_config(tls_cert=pki["server_cert"], tls_key=pki["server_key"]), shards=1)
+    data = cluster.servers[0]._data
+    assert data is not None
+    with _bell(("127.0.0.1", cluster.servers[0].data_port)) as bell:
+        assert _eventually(lambda: len(data._conns) == 1)
+        bell.sock.sendall(b"\x16\x03\x01")  # the start of a TLS record, never finished
+        assert bell.closed_by_peer(), "the shard kept a connection that never finished its handshake"
+    assert _eventually(lambda: not data._conns)
+
+
+def test_a_peer_that_never_says_its_hello_is_let_go(
+    ps_cluster_factory: Callable[..., LocalCluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(doorbell, "HANDSHAKE_TIMEOUT", 0.2)
+    cluster = ps_cluster_factory(_config(), shards=1)
+    data = cluster.servers[0]._data
+    assert data is not None
+    for sent in (b"", doorbell._REQUEST.pack(40, 1.0, 0)):  # nothing; a head whose message never comes
+        with _bell(("127.0.0.1", cluster.servers[0].data_port)) as bell:
+            assert _eventually(lambda: len(data._conns) == 1)
+            bell.sock.sendall(sent)
+            assert bell.closed_by_peer(), f"the shard kept a connection that sent {sent!r} and no hello"
+        assert _eventually(lambda: not data._conns)
+
+
+def test_a_socket_attach_needs_the_bearer_token(
+    ps_cluster_factory: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    cluster = ps_cluster_factory(_config(auth_token_file=str(token)), shards=2)
+    shard = cluster.shards[0]
+    with _client(cluster, auth_token="s3cret-token") as client:
+        _train(client, _small_model())
+        assert _on_data_socket(client)
+        held = shard.attachment(client.worker_id, shard.model)
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            for metadata in ((), (("authorization", "Bearer wrong-token"),)):
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Attach(_hello(client.worker_id, shard), timeout=CALL_TIMEOUT, metadata=metadata)
+                assert _status(info.value) == (grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated"), metadata
+        assert shard.attachment(client.worker_id, shard.model) is held, "a refused Attach replaced the ticket"
+        model = _small_model()
+        client.register(model)
+        assert client.push_pull(_like(model, 9)) == 4 and _on_data_socket(client)
