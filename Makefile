@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## demo: 2 shards + 2 workers train the CNN on scikit-learn's digits (MODE=sync|async)
+## demo: 2 shards + 2 workers train the CNN on scikit-learn's digits (MODE=sync|async|ssp)
 demo: $(STAMP)
 	$(PY) -m worker.demo --mode $(MODE) --shards $(SHARDS) --workers $(WORKERS) --port $(PORT) $(DEMO_ARGS)
 

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 C = TypeVar("C")
 
-MODES = ("sync", "async")
+MODES = ("sync", "async", "ssp")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adagrad")
 
 
@@ -62,9 +62,18 @@ class ServerConfig:
 
     mode: str = config_field(
         "sync",
-        "consistency: sync (average one gradient per live worker, apply once) or async "
-        "(apply each gradient on arrival)",
+        "consistency: sync (average one gradient per live worker, apply once), async (apply each gradient on "
+        "arrival) or ssp (bounded staleness: async, but a worker --staleness steps ahead of the slowest live "
+        "worker waits at its pull)",
         choices=MODES,
+    )
+    staleness: int = config_field(
+        3, "ssp: how many pushes a worker may be ahead of the slowest live worker before its pull waits"
+    )
+    max_staleness: int = config_field(
+        0,
+        "async and ssp: refuse a push computed on weights more than this many versions old (ABORTED: the worker "
+        "pulls and computes again); 0: no limit",
     )
     workers: int = config_field(
         1,
@@ -136,6 +145,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.staleness < 0 or self.max_staleness < 0:
+            raise ValueError("staleness and max_staleness must be >= 0")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {self.optimizer!r}")
         if self.workers < 1:

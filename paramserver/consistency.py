@@ -51,6 +51,9 @@ class Policy(Protocol):
     def round_age(self) -> float:
         """Seconds the open round has waited so far."""
 
+    def may_pull(self, shard: Applier, worker_id: str) -> bool:
+        """Whether this worker's pull may return now (once it has its version); the shard waits until it may."""
+
 
 class SyncPolicy:
     """Bulk-synchronous: one in-place sum per round; the mean applies once every live worker has pushed.
@@ -107,6 +110,9 @@ class SyncPolicy:
     def in_progress(self) -> bool:
         return bool(self._contributors)
 
+    def may_pull(self, shard: Applier, worker_id: str) -> bool:
+        return True
+
     def round_age(self) -> float:
         """Seconds since the open round's first gradient (0 when none is open)."""
         return time.monotonic() - self._opened if self._contributors else 0.0
@@ -129,7 +135,11 @@ class SyncPolicy:
 
 
 class AsyncPolicy:
-    """Asynchronous: every gradient applies on arrival, whatever version it was computed on."""
+    """Asynchronous: every gradient applies on arrival, whatever version it was computed on (up to
+    `max_staleness` versions old, when that is not 0)."""
+
+    def __init__(self, max_staleness: int = 0) -> None:
+        self.max_staleness = max_staleness
 
     def reset(self, numel: int) -> None:
         pass
@@ -140,14 +150,28 @@ class AsyncPolicy:
     def round_age(self) -> float:
         return 0.0
 
+    def may_pull(self, shard: Applier, worker_id: str) -> bool:
+        return True
+
     def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor) -> None:
+        staleness = self._check(shard, base_version)
+        shard.apply(grad, staleness=staleness)
+
+    def _check(self, shard: Applier, base_version: int) -> int:
+        """Refuse a push that cannot apply (before anything changes); return its staleness."""
         if base_version > shard.version:
             # Only a shard that restarted from an older checkpoint can be behind its workers: catch up first.
             raise StaleRound(
                 f"push computed on version {base_version}, newer than the shard's {shard.version} (the shard "
                 f"restarted from a checkpoint); pull and compute the gradient again"
             )
-        shard.apply(grad, staleness=shard.version - base_version)
+        staleness = shard.version - base_version
+        if self.max_staleness and staleness > self.max_staleness:
+            raise StaleRound(
+                f"push computed on version {base_version} is {staleness} versions old, over the job's "
+                f"--max-staleness {self.max_staleness}; pull and compute the gradient again"
+            )
+        return staleness
 
     def membership_changed(self, shard: Applier) -> None:
         pass
@@ -156,10 +180,62 @@ class AsyncPolicy:
         return f"version {shard.version + 1} comes with the next push"
 
 
-def make_policy(mode: str, backup_workers: int = 0) -> Policy:
+class SSPPolicy(AsyncPolicy):
+    """Stale synchronous parallel (bounded staleness): every gradient applies on arrival, as in async mode, but
+    a worker whose pushes run more than `staleness` ahead of the slowest live worker's waits at its pull until
+    that one catches up (or leaves, or is evicted).
+
+    A worker's clock is the number of its pushes applied here. A worker that joins starts at the slowest live
+    worker's clock, so it holds nobody back; one that leaves takes its clock with it.
+    """
+
+    def __init__(self, staleness: int, max_staleness: int = 0) -> None:
+        super().__init__(max_staleness)
+        self.staleness = staleness
+        self._clock: dict[str, int] = {}
+
+    def reset(self, numel: int) -> None:
+        self._clock = {}
+
+    def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor) -> None:
+        staleness = self._check(shard, base_version)
+        self._track(shard)
+        shard.apply(grad, staleness=staleness)
+        self._clock[worker_id] = self._clock.get(worker_id, self._slowest()) + 1
+
+    def may_pull(self, shard: Applier, worker_id: str) -> bool:
+        self._track(shard)
+        clock = self._clock.get(worker_id)
+        return clock is None or clock - self._slowest() <= self.staleness
+
+    def membership_changed(self, shard: Applier) -> None:
+        self._track(shard)
+
+    def _track(self, shard: Applier) -> None:
+        """Follow the live workers: newcomers start at the slowest clock, the departed are forgotten."""
+        live = shard.membership.live
+        start = self._slowest(live)
+        self._clock = {w: self._clock.get(w, start) for w in live}
+
+    def _slowest(self, among: set[str] | None = None) -> int:
+        clocks = [c for w, c in self._clock.items() if among is None or w in among]
+        return min(clocks, default=0)
+
+    def waiting_for(self, shard: Applier) -> str:
+        slowest = self._slowest()
+        behind = sorted(w for w, c in self._clock.items() if c == slowest)
+        return (
+            f"workers more than {self.staleness} pushes ahead of the slowest live workers {behind} "
+            f"({slowest} pushes) wait for them"
+        )
+
+
+def make_policy(mode: str, backup_workers: int = 0, staleness: int = 3, max_staleness: int = 0) -> Policy:
     """Return the policy object for a mode name."""
     if mode == "sync":
         return SyncPolicy(backup_workers)
     if mode == "async":
-        return AsyncPolicy()
+        return AsyncPolicy(max_staleness)
+    if mode == "ssp":
+        return SSPPolicy(staleness, max_staleness)
     raise ValueError(f"unknown mode {mode!r}")

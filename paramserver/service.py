@@ -18,7 +18,7 @@ from paramserver.shard import Shard, ShardModel
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire import ChunkReceiver, check_finite, itemsize, iter_chunks, wire_dtype
 
-_MODES = {"sync": ps_pb2.SYNC, "async": ps_pb2.ASYNC}
+_MODES = {"sync": ps_pb2.SYNC, "async": ps_pb2.ASYNC, "ssp": ps_pb2.SSP}
 
 
 class ClientStream:

@@ -160,7 +160,7 @@ class Shard:
         self.version = 0
         self.membership = Membership(config.workers)
         self.applied = AppliedLog()
-        self.policy = make_policy(config.mode, config.backup_workers)
+        self.policy = make_policy(config.mode, config.backup_workers, config.staleness, config.max_staleness)
         self.stats = ShardStats()
         self.model: ShardModel | None = None
         self._pool: BufferPool | None = None
@@ -223,6 +223,7 @@ class Shard:
 
     def _membership_changed(self) -> None:
         self.policy.membership_changed(self)
+        self._cond.notify_all()  # a pull held back for a worker that is gone may go on
         self.metrics.live_workers.set(len(self.membership.live))
         self._cond.notify_all()
         if not self.membership.live and self.finished_workers >= self.config.workers and not self.done.is_set():
@@ -457,10 +458,20 @@ class Shard:
         if worker_id:
             self.membership.get(worker_id)
         self.require_model()
-        reached = self._cond.wait_for(lambda: self._closed or self.version >= min_version, timeout=timeout)
+
+        # A worker's pull also waits while the policy holds it back (ssp: too far ahead of the slowest worker).
+        def ready() -> bool:
+            return self.version >= min_version and (not worker_id or self.policy.may_pull(self, worker_id))
+
+        reached = self._cond.wait_for(lambda: self._closed or ready(), timeout=timeout)
         if self._closed:
             raise ShuttingDown(f"shard {self.index} is shutting down")
         if not reached:
+            if self.version >= min_version:
+                raise PullTimeout(
+                    f"shard {self.index} held worker {worker_id}'s pull for {timeout:.1f} s: "
+                    f"{self.policy.waiting_for(self)}"
+                )
             raise PullTimeout(
                 f"shard {self.index} is at version {self.version}, not {min_version}, after "
                 f"{timeout:.1f} s: {self.policy.waiting_for(self)}"

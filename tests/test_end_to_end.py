@@ -216,7 +216,7 @@ def _start_ps_server(*args: str) -> tuple[subprocess.Popen[str], str]:
     raise AssertionError(f"ps-server exited with {proc.wait()} before printing its address")
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
 def test_ps_server_and_two_ps_workers_reach_the_accuracy_target(tmp_path, mode):
     server, address = _start_ps_server("--shards", "2", "--mode", mode, "--workers", "2")
     workers: list[subprocess.Popen[bytes]] = []

@@ -76,7 +76,7 @@ _SERVICE_CONFIG = json.dumps(
     }
 )
 
-_MODES = {ps_pb2.SYNC: "sync", ps_pb2.ASYNC: "async"}
+_MODES = {ps_pb2.SYNC: "sync", ps_pb2.ASYNC: "async", ps_pb2.SSP: "ssp"}
 
 # A shard's part of the model up to this many wire bytes goes inline in one unary Exchange per step (a small model
 # on another host: one call, not two streams); larger parts are streamed in chunks.

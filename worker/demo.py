@@ -16,6 +16,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from paramserver.config import MODES
+
 TARGET_ACCURACY = 0.95
 
 
@@ -52,7 +54,7 @@ def _wait_for_server(proc: subprocess.Popen[bytes], address: str, timeout: float
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; return 0 when every worker reached the target accuracy."""
     parser = argparse.ArgumentParser(prog="python -m worker.demo", description=__doc__)
-    parser.add_argument("--mode", default="sync", choices=["sync", "async"], help="consistency mode")
+    parser.add_argument("--mode", default="sync", choices=MODES, help="consistency mode")
     parser.add_argument("--shards", type=int, default=2, help="shard processes")
     parser.add_argument("--workers", type=int, default=2, help="worker processes")
     parser.add_argument("--port", type=int, default=50051, help="port of shard 0")

@@ -19,6 +19,7 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_UNSPECIFIED: _ClassVar[Mode]
     SYNC: _ClassVar[Mode]
     ASYNC: _ClassVar[Mode]
+    SSP: _ClassVar[Mode]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 BFLOAT16: DType
@@ -26,6 +27,7 @@ FLOAT16: DType
 MODE_UNSPECIFIED: Mode
 SYNC: Mode
 ASYNC: Mode
+SSP: Mode
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape")
