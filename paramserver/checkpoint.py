@@ -53,6 +53,7 @@ class Snapshot:
     optimizer_state: dict[str, Any]  # torch Optimizer.state_dict() with copied tensors
     ever_full: bool = False
     applied: dict[str, list[int]] = field(default_factory=dict)  # worker id -> steps already applied
+    finished_workers: int = 0  # workers that completed their training (exit_when_done counts them)
 
 
 def path_for(directory: Path, shard_index: int, version: int) -> Path:
@@ -116,6 +117,7 @@ def save(directory: str | Path, snap: Snapshot, keep: int = KEEP) -> Path:
             "optimizer_state": opt_doc,
             "ever_full": snap.ever_full,
             "applied": snap.applied,
+            "finished_workers": snap.finished_workers,
             "tensors": layout,
             "created": time.time(),
         }
@@ -196,6 +198,7 @@ def load(path: str | Path) -> Snapshot:
             optimizer_state=_rebuild(header["optimizer_state"], tensors[1:]),
             ever_full=bool(header["ever_full"]),
             applied={str(k): [int(s) for s in v] for k, v in header["applied"].items()},
+            finished_workers=int(header.get("finished_workers", 0)),  # absent from files of earlier versions
         )
     except CorruptCheckpoint:
         raise

@@ -219,13 +219,15 @@ class Shard:
                     " after finishing" if finished else "",
                     len(self.membership.live),
                 )
+                if finished:
+                    # Saved at once: a shard restarted after this must still count it, or the job never ends.
+                    self._checkpoint_locked()
                 self._membership_changed()
 
     def _membership_changed(self) -> None:
         self.policy.membership_changed(self)
-        self._cond.notify_all()  # a pull held back for a worker that is gone may go on
         self.metrics.live_workers.set(len(self.membership.live))
-        self._cond.notify_all()
+        self._cond.notify_all()  # a pull held back (sync round, ssp) for a worker that is gone may go on
         if not self.membership.live and self.finished_workers >= self.config.workers and not self.done.is_set():
             log.info("shard %d: the job is done: %d workers finished, none live", self.index, self.finished_workers)
             self.done.set()
@@ -349,6 +351,7 @@ class Shard:
             self._adopt(model, snap.version)
             self.membership.ever_full = snap.ever_full
             self.applied = AppliedLog.restore(snap.applied)
+            self.finished_workers = snap.finished_workers
         log.info("shard %d: restored version %d of model %s", self.index, snap.version, snap.digest[:12])
         return True
 
@@ -607,6 +610,7 @@ class Shard:
             optimizer_state=copied,
             ever_full=self.membership.ever_full,
             applied=self.applied.dump(),
+            finished_workers=self.finished_workers,
         )
 
     def drain(self, grace: float) -> None:

@@ -129,7 +129,17 @@ def test_save_load_round_trip_keeps_params_and_optimizer_state(tmp_path: Path, o
     _assert_same(loaded.optimizer_state["state"], snap.optimizer_state["state"], "state")
     _assert_same(loaded.optimizer_state["param_groups"], snap.optimizer_state["param_groups"], "param_groups")
     assert set(loaded.optimizer_state) == set(snap.optimizer_state)
-    for name in ("shard_index", "num_shards", "specs", "digest", "version", "optimizer", "ever_full", "applied"):
+    for name in (
+        "shard_index",
+        "num_shards",
+        "specs",
+        "digest",
+        "version",
+        "optimizer",
+        "ever_full",
+        "applied",
+        "finished_workers",
+    ):
         assert getattr(loaded, name) == getattr(snap, name), name
 
     # The loaded state drives a fresh optimizer exactly as the original one goes on.
@@ -533,6 +543,30 @@ def test_shard_restore_adopts_a_matching_checkpoint(tmp_path: Path) -> None:
         assert shard.describe().version == 1 and shard.describe().digest == place(SPECS, 2).digest
     finally:
         shard.close()
+
+
+def test_finished_workers_are_saved_at_once_and_counted_after_a_restart(tmp_path: Path) -> None:
+    config = ServerConfig(mode="sync", workers=2, optimizer="sgd", lr=0.1, checkpoint_dir=str(tmp_path))
+    placement = place(SPECS, 2)
+    first = Shard(config, 0, ADDRESSES)
+    try:
+        first.commit_init(first.prepare_init(SPECS, 2, placement.digest))
+        for w in ("a", "b"):
+            first.join(w, "")
+        first.leave("a", finished=True)
+        first.leave("a", finished=True)  # a second leave of a gone worker counts nothing
+        assert first.finished_workers == 1 and not first.done.is_set()
+    finally:
+        first._writer.close()  # type: ignore[union-attr]  # flush the checkpoint the finish took; no final one
+    again = Shard(config, 0, ADDRESSES)
+    try:
+        assert again.restore() is True
+        assert again.finished_workers == 1, "the finish before the restart was lost"
+        again.join("b", "")
+        again.leave("b", finished=True)
+        assert again.done.is_set(), "both workers finished, none is live: the job is done"
+    finally:
+        again.close()
 
 
 def test_shard_restore_with_nothing_to_restore_starts_empty(tmp_path: Path) -> None:
