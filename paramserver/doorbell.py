@@ -148,6 +148,7 @@ class Reply:
     message: ps_pb2.ExchangeResponse
     arrays: Sequence[np.ndarray] = field(default_factory=list)
     dtype: int = FLOAT32
+    release: Callable[[], object] | None = None  # called once the arrays are sent (or the send failed)
 
 
 # What a shard does with the frames: check a hello; answer an Exchange (raising PSError to refuse it).
@@ -273,11 +274,15 @@ class DoorbellServer:
                     return  # the rest of the stream cannot be trusted to be in step
                 payload = Payload(conn, size)
                 body, reply = self._answer(worker_id, request, timeout, payload)
-                payload.finish()
-                if reply is None:
-                    _send_reply(conn, body)
-                else:
-                    _send_reply(conn, body, reply.arrays, reply.dtype)
+                try:
+                    payload.finish()
+                    if reply is None:
+                        _send_reply(conn, body)
+                    else:
+                        _send_reply(conn, body, reply.arrays, reply.dtype)
+                finally:
+                    if reply is not None and reply.release is not None:
+                        reply.release()
         except (OSError, ConnectionError, ssl.SSLError) as exc:
             log.debug("doorbell connection ended: %s", exc)
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -169,13 +170,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         with rpc_errors(context, "Pull", self.rejected):
             dtype = wire_dtype(request.dtype)
             min_version = self._min_version(request.min_version, request.incarnation)
-            version, model = self.shard.wait_for(min_version, self._timeout(context), request.worker_id)
-            header = ps_pb2.PullHeader(version=version, model_digest=model.digest, incarnation=self.shard.incarnation)
-            yield ps_pb2.PullMessage(header=header).SerializeToString()
-            sent = 0
-            for piece, offset, data in iter_chunks(model.views(model.params.numpy()), dtype):
-                sent += len(data)
-                yield codec.encode_chunk(piece, offset, data)
+            with self.shard.weights(min_version, self._timeout(context), request.worker_id) as (version, model, flat):
+                header = ps_pb2.PullHeader(
+                    version=version, model_digest=model.digest, incarnation=self.shard.incarnation
+                )
+                yield ps_pb2.PullMessage(header=header).SerializeToString()
+                sent = 0
+                for piece, offset, data in iter_chunks(model.views(flat), dtype):
+                    sent += len(data)
+                    yield codec.encode_chunk(piece, offset, data)
             self.shard.metrics.pulls.inc()
             self.shard.metrics.bytes_out.inc(sent)
 
@@ -244,10 +247,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise MalformedStream("an Exchange without push carries no gradient payload")
         if not request.pull:
             return Reply(reply)
-        held = self._pull(request, reply, _clamp(timeout, self.shard.config.pull_timeout))
-        # Sent from the weights themselves, outside the lock, as the Pull stream does (see the README on async).
+        lent = contextlib.ExitStack()  # the weights stay lent until the reply's payload is sent
+        try:
+            held, flat = lent.enter_context(
+                self._pulling(request, reply, _clamp(timeout, self.shard.config.pull_timeout))
+            )
+        except BaseException:
+            lent.close()
+            raise
         self.shard.metrics.bytes_out.inc(held.numel * itemsize(dtype))
-        return Reply(reply, [held.params.numpy()], dtype)
+        return Reply(reply, [flat], dtype, release=lent.close)
 
     def exchange(self, request: ps_pb2.ExchangeRequest, timeout: float) -> ps_pb2.ExchangeResponse:
         """Push and/or pull through the worker's attached segment, or inline (for the Exchange RPC and the
@@ -283,15 +292,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             fill(grad)
             return self.shard.push(request.worker_id, request.step, request.base_version, grad, request.model_digest)
 
-    def _pull(self, request: ps_pb2.ExchangeRequest, reply: ps_pb2.ExchangeResponse, timeout: float) -> ShardModel:
-        """Wait for the version a pull asks for; note it in the reply; return the model to send."""
+    @contextlib.contextmanager
+    def _pulling(
+        self, request: ps_pb2.ExchangeRequest, reply: ps_pb2.ExchangeResponse, timeout: float
+    ) -> Iterator[tuple[ShardModel, np.ndarray]]:
+        """Wait for the version a pull asks for; note it in the reply; lend the model and its weights to send."""
         min_version = self._min_version(request.min_version, request.incarnation)
-        version, held = self.shard.wait_for(min_version, timeout, request.worker_id)
-        reply.pulled.version = version
-        reply.pulled.model_digest = held.digest
-        reply.pulled.incarnation = self.shard.incarnation
-        self.shard.metrics.pulls.inc()
-        return held
+        with self.shard.weights(min_version, timeout, request.worker_id) as (version, held, flat):
+            reply.pulled.version = version
+            reply.pulled.model_digest = held.digest
+            reply.pulled.incarnation = self.shard.incarnation
+            self.shard.metrics.pulls.inc()
+            yield held, flat
 
     def _exchange_inline(
         self, request: ps_pb2.ExchangeRequest, model: ShardModel, timeout: float
@@ -318,9 +330,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         elif request.chunks:
             raise MalformedStream("an Exchange without push carries no gradient chunks")
         if request.pull:
-            held = self._pull(request, reply, timeout)
-            for piece, offset, data in iter_chunks(held.views(held.params.numpy()), dtype):
-                reply.chunks.add(piece=piece, offset=offset, data=bytes(data))
+            with self._pulling(request, reply, timeout) as (held, flat):
+                for piece, offset, data in iter_chunks(held.views(flat), dtype):
+                    reply.chunks.add(piece=piece, offset=offset, data=bytes(data))
             self.shard.metrics.bytes_out.inc(reply.ByteSize())
         return reply
 

@@ -450,6 +450,34 @@ class Shard:
         with self._cond:
             return self._wait_locked(min_version, timeout, worker_id)
 
+    @contextlib.contextmanager
+    def weights(
+        self, min_version: int, timeout: float, worker_id: str = ""
+    ) -> Iterator[tuple[int, ShardModel, np.ndarray]]:
+        """Wait like `wait_for`, then lend (version, model, the flat weights of that one version) to send.
+
+        In sync mode without backup workers a live worker's pull reads the weights in place: no round can close
+        before it pushes again. Any other pull (async, ssp, backup workers, a reader that did not join) gets a
+        copy taken under the lock into a scratch buffer, so an update applied while it is sent cannot tear it.
+        """
+        version, model = self.wait_for(min_version, timeout, worker_id)  # before taking a buffer pushes need
+        with self._cond:
+            in_place = (
+                self.config.mode == "sync"
+                and self.config.backup_workers == 0
+                and bool(worker_id)
+                and worker_id in self.membership.live
+            )
+        if in_place:
+            yield version, model, model.params.numpy()
+            return
+        with self.scratch() as buf:
+            with self._cond:
+                model = self.require_model()
+                version = self.version  # at least min_version: versions only grow
+                np.copyto(buf, model.params.numpy())
+            yield version, model, buf
+
     def pull_into(self, dst: np.ndarray, min_version: int, timeout: float, worker_id: str = "") -> int:
         """Wait like `wait_for`, then copy the weights into `dst` under the lock (one consistent version)."""
         with self._cond:
