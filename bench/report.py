@@ -194,7 +194,9 @@ def _baselines(ix: _Index) -> list[str]:
         "",
         "Raw TCP: send N bytes (the server answers one byte when it has them), then receive N bytes into a "
         "preallocated buffer. gloo: one all_reduce of the tensor, what DDP pays per step. rpc PS: a server process "
-        "applies SGD to each pushed gradient; workers `rpc_sync` a push, then a pull that returns the tensor.",
+        "applies SGD to each pushed gradient; workers `rpc_sync` a push, then a pull that returns the tensor. "
+        "When the transport cases run too, every baseline is measured both before and after them and its median "
+        "is taken over both passes, so a drift of the machine's speed meanwhile weighs on both sides of a ratio.",
         "",
         *_table(["baseline", "payload", "workers", "ms", "send GB/s", "receive GB/s"], rows),
         "",

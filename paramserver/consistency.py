@@ -85,6 +85,11 @@ class SyncPolicy:
                 f"{base_version + 1} before pushing again"
             )
         assert self._sum is not None, "reset() before submit()"
+        if not self._contributors and self._complete(shard, {worker_id}):
+            # A round of this one gradient (one live worker): apply it as it is, sparing a copy into the sum.
+            self._last = worker_id
+            shard.apply(grad, straggler=worker_id, waited=0.0)
+            return
         if self._contributors:
             self._sum.add_(grad)
         else:
@@ -117,15 +122,14 @@ class SyncPolicy:
         """Seconds since the open round's first gradient (0 when none is open)."""
         return time.monotonic() - self._opened if self._contributors else 0.0
 
+    def _complete(self, shard: Applier, contributors: set[str]) -> bool:
+        """Whether a round with gradients from these workers may apply."""
+        if len(shard.membership.live - contributors) > self.backup_workers:
+            return False
+        return shard.membership.ever_full or len(contributors) >= shard.membership.world_size - self.backup_workers
+
     def _close_if_complete(self, shard: Applier) -> None:
-        if not self._contributors:
-            return
-        if len(shard.membership.live - self._contributors) > self.backup_workers:
-            return
-        if (
-            not shard.membership.ever_full
-            and len(self._contributors) < shard.membership.world_size - self.backup_workers
-        ):
+        if not self._contributors or not self._complete(shard, self._contributors):
             return
         assert self._sum is not None
         if len(self._contributors) > 1:  # the mean of one gradient is itself: spare a pass over the buffer

@@ -75,8 +75,8 @@ def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.Co
         assert any(i.startswith(expected) for i in ids), expected
     assert any(i.startswith("training.sps.") and i.endswith(".local") for i in ids)
     assert any(i.startswith("memory.overhead.") for i in ids)
-    # Both paths are measured: shared memory and the gRPC streams, and the fused push_pull.
-    for path in ("shm", "float32"):
+    # Every path is measured: shared memory, the data socket and the gRPC streams, and the fused push_pull.
+    for path in ("shm", "socket", "float32"):
         assert any(i.startswith("transport.rt.") and i.endswith(f".{path}") for i in ids), path
         assert any(i.startswith(f"memory.overhead.{path}.") for i in ids), path
     assert any(i.startswith("transport.step.") for i in ids)
@@ -90,6 +90,32 @@ def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.Co
         assert heading in text
     assert "| payload |" in text
     assert "# paramserver benchmarks" in result.stdout  # the table is printed at the end too
+
+
+def test_baselines_bracket_the_transport_cases() -> None:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.run import run_order
+    finally:
+        sys.path.remove(str(ROOT))
+    assert run_order(list(SECTIONS)) == ["baselines", "transport", "baselines", "training", "memory"]
+    assert run_order(["baselines", "memory"]) == ["baselines", "memory"]
+    assert run_order(["transport"]) == ["transport"]
+
+
+def test_a_second_baselines_pass_adds_its_repeats(quick_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, _ = quick_run
+    doc = json.loads((out / "latest.json").read_text())
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.common import schedule
+    finally:
+        sys.path.remove(str(ROOT))
+    gloo = [f for f in doc["figures"] if f["id"].startswith("baselines.gloo.")]
+    assert gloo
+    for f in gloo:  # the timed iterations of two passes, before and after the transport cases
+        assert f["n"] == 2 * schedule(f["params"]["bytes"], doc["plan"]["repeats"])[1], (f["id"], f["n"])
+    assert len({f["id"] for f in doc["figures"]}) == len(doc["figures"]), "a figure id appears twice"
 
 
 @pytest.mark.timeout(TIMEOUT_S + 120)
