@@ -71,7 +71,7 @@ def _recv_into(sock: socket.socket, view: memoryview) -> bool:
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     buf = bytearray(n)
-    return bytes(buf) if _recv_into(sock, memoryview(buf)) or n == 0 else None
+    return bytes(buf) if _recv_into(sock, memoryview(buf)) else None  # n == 0: an empty read succeeds
 
 
 def payload_bytes(arrays: Sequence[np.ndarray], dtype: int) -> int:

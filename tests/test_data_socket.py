@@ -31,7 +31,6 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from test_security_metrics import _cert, _key, _write
 from test_shared_memory import (
     CALL_TIMEOUT,
     JOB,
@@ -76,24 +75,6 @@ Model = dict[str, torch.Tensor]
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def raw(ps_cluster_factory: Callable[..., LocalCluster], tmp_path: Path) -> Iterator[Raw]:
-    """A one-shard async job holding `_small_model()` (15 elements), WORKER and OTHER joined by raw stub."""
-    cluster = ps_cluster_factory(RAW_CONFIG, shards=1)
-    model = _small_model()
-    with PSClient(cluster.address, worker_id="registrar", job_name=JOB, shared_memory=False) as client:
-        client.register(model)
-        digest = client.digest(model)
-    channel = grpc.insecure_channel(cluster.address)
-    try:
-        stub = ps_pb2_grpc.ParameterServerStub(channel)
-        for worker in (WORKER, OTHER):
-            stub.Join(ps_pb2.JoinRequest(worker_id=worker, job_name=JOB), timeout=CALL_TIMEOUT)
-        yield Raw(cluster, stub, digest, 15, tmp_path)
-    finally:
-        channel.close()
 
 
 def _hello(worker_id: str, shard: Shard, **changes: object) -> ps_pb2.AttachRequest:
@@ -358,6 +339,21 @@ def test_a_payload_of_the_wrong_size_is_refused_and_the_connection_stays_in_step
         assert bell.payload == encode(raw.params(), BFLOAT16)
 
 
+def test_a_gradient_cut_off_mid_payload_is_never_applied(raw: Raw) -> None:
+    before = raw.shard.state_bytes()
+    with _session(raw) as bell:
+        push = raw.request(push=True, step=1, base_version=0)
+        body, whole = push.SerializeToString(), _f32(GRAD)
+        bell.sock.sendall(REQUEST_HEAD.pack(len(body), CALL_TIMEOUT, len(whole)) + body + whole[: len(whole) // 2])
+        bell.sock.shutdown(socket.SHUT_WR)  # the worker's host goes away mid-gradient
+        assert bell.reply() is None, "the shard answered a cut-off gradient instead of closing"
+    assert raw.shard.state_bytes() == before
+    # The shard serves on: a new connection's push applies.
+    with _session(raw) as bell:
+        reply = _ok(bell.call(raw.request(push=True, step=1, base_version=0), payload=_f32(GRAD)))
+        assert (reply.version, reply.applied) == (1, True)
+
+
 @pytest.mark.parametrize(("dtype", "bad"), [(FLOAT32, np.nan), (BFLOAT16, np.inf)], ids=["f32-nan", "bf16-inf"])
 def test_a_non_finite_gradient_is_refused_and_changes_nothing(raw: Raw, dtype: int, bad: float) -> None:
     w0, before = raw.params(), raw.shard.state_bytes()
@@ -552,21 +548,6 @@ def test_a_lost_connection_is_attached_again_and_training_goes_on(
 
 
 # -- 4. TLS, mutual TLS, the bearer token ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """A CA, a shard certificate for 127.0.0.1, a client certificate."""
-    d = tmp_path_factory.mktemp("pki")
-    ca_key, server_key, client_key = _key(), _key(), _key()
-    ca = _cert("paramserver test CA", ca_key, ca=True)
-    return {
-        "ca": _write(d / "ca.pem", ca),
-        "server_cert": _write(d / "server.pem", _cert("shard", server_key, ca.subject, ca_key, server=True)),
-        "server_key": _write(d / "server.key", key=server_key),
-        "client_cert": _write(d / "client.pem", _cert("worker", client_key, ca.subject, ca_key)),
-        "client_key": _write(d / "client.key", key=client_key),
-    }
 
 
 def _answered(bell: Bell, hello: ps_pb2.AttachRequest) -> bytes:
