@@ -1,14 +1,17 @@
 """Memory: peak RSS of each shard process while 1, 2 or 4 workers push a ~25 M-parameter model in sync mode.
 
-The shards' resident memory is sampled every 20 ms from /proc (VmRSS, and RssShmem: shared-memory pages) and the
-kernel's own peak (VmHWM) is read at the end. What a shard must hold is its parameters and the optimizer's state;
-with SGD that is the parameters plus one gradient-sized buffer (the round's running sum). The reported overhead is
-(peak private RSS - RSS of the same shard process idle, before any model) / (parameters + that buffer), where
-private = VmRSS - RssShmem: on the shared-memory path the workers' segments (two regions of the shard's part per
-same-host worker, created by the workers) are mapped into the shard too, and are reported apart. A second ratio
-starts from the RSS of a working shard (one that holds a 64-element model and has served a few rounds), which
-leaves out what every shard pays once whatever its model. Every path is measured: "shm", the data socket
-("socket") and the gRPC streams ("float32").
+The shards' resident memory is sampled every 20 ms from /proc/PID/status, and the kernel's own peak (VmHWM) is
+read at the end. What a shard must hold is its parameters and the optimizer's state; with SGD that is the
+parameters plus one gradient-sized buffer (the round's running sum). The shard's own memory is its anonymous
+resident pages (RssAnon: the heap, its buffers, the model). Left out of it, and reported apart:
+- shared-memory pages (RssShmem): on the shared-memory path the workers' segments (two regions of the shard's part
+  per same-host worker, created by the workers) are mapped into the shard too;
+- file-backed pages (RssFile): the code of Python, torch and gRPC, shared with every process that loads them; it
+  grows by a few MB as a process first runs more of that code, whatever the model.
+The reported overhead is (peak anonymous RSS - that of the same shard process idle, before any model) /
+(parameters + that buffer). A second ratio starts from a working shard (one that holds a 64-element model and has
+served a few rounds), which leaves out what every shard pays once whatever its model. Every path is measured:
+"shm", the data socket ("socket") and the gRPC streams ("float32").
 """
 
 from __future__ import annotations
@@ -25,19 +28,19 @@ TIMEOUT = 600.0
 SAMPLE_S = 0.02
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process, in bytes."""
-    return _status_kb(pid, "VmRSS") * 1024
-
-
-def rss_parts(pid: int) -> tuple[int, int]:
-    """(RSS, of which shared-memory pages) of a process, in bytes."""
+def rss_parts(pid: int) -> dict[str, int]:
+    """VmRSS and its parts (RssAnon, RssFile, RssShmem) of a process, in bytes."""
     fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         name, _, value = line.partition(":")
-        if name in ("VmRSS", "RssShmem"):
+        if name in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
             fields[name] = int(value.split()[0]) * 1024
-    return fields["VmRSS"], fields.get("RssShmem", 0)
+    return fields
+
+
+def anon_bytes(pid: int) -> int:
+    """Anonymous resident memory of a process (its heap and buffers), in bytes."""
+    return _status_kb(pid, "RssAnon") * 1024
 
 
 def peak_rss_bytes(pid: int) -> int:
@@ -56,14 +59,14 @@ def _status_kb(pid: int, field: str) -> int:
 
 
 class Sampler:
-    """Sample the RSS of some processes every 20 ms in a thread; remember each one's peak RSS, peak private RSS
-    (without shared-memory pages) and peak shared-memory pages."""
+    """Sample the memory of some processes every 20 ms in a thread; remember the peak of each field of
+    `rss_parts` (VmRSS, RssAnon, RssFile, RssShmem) for each process."""
+
+    FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
 
     def __init__(self, pids: list[int]) -> None:
         self.pids = pids
-        self.peak = {pid: 0 for pid in pids}
-        self.peak_private = {pid: 0 for pid in pids}
-        self.peak_shared = {pid: 0 for pid in pids}
+        self.peak = {field: {pid: 0 for pid in pids} for field in self.FIELDS}
         self._sample()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
@@ -71,12 +74,11 @@ class Sampler:
     def _sample(self) -> None:
         for pid in self.pids:
             try:
-                rss, shared = rss_parts(pid)
-            except (OSError, KeyError):  # the shard is gone
+                parts = rss_parts(pid)
+            except OSError:  # the shard is gone
                 continue
-            self.peak[pid] = max(self.peak[pid], rss)
-            self.peak_private[pid] = max(self.peak_private[pid], rss - shared)
-            self.peak_shared[pid] = max(self.peak_shared[pid], shared)
+            for field in self.FIELDS:
+                self.peak[field][pid] = max(self.peak[field][pid], parts.get(field, 0))
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_S):
@@ -91,12 +93,12 @@ class Sampler:
         self._thread.join()
 
 
-def _idle_rss(pids: list[int]) -> dict[int, int]:
-    """RSS of freshly started shards holding no model: the largest of a few samples 50 ms apart."""
+def _idle_anon(pids: list[int]) -> dict[int, int]:
+    """Anonymous RSS of freshly started shards holding no model: the largest of a few samples 50 ms apart."""
     idle = {pid: 0 for pid in pids}
     for _ in range(5):
         for pid in pids:
-            idle[pid] = max(idle[pid], rss_bytes(pid))
+            idle[pid] = max(idle[pid], anon_bytes(pid))
         threading.Event().wait(0.05)
     return idle
 
@@ -114,8 +116,8 @@ def _push_pull(kids: list[Child], address: str, warmup: int, n: int, wire: str =
 
 
 def _working(procs: Processes) -> dict[int, int]:
-    """RSS of shard processes that hold a 64-element model and have served a few rounds: what any working shard
-    holds whatever its model (building the first torch optimizer alone imports torch._dynamo, ~75 MB)."""
+    """Anonymous RSS of shard processes that hold a 64-element model and have served a few rounds: what any working
+    shard holds whatever its model (building the first torch optimizer alone imports torch._dynamo, ~75 MB)."""
     from paramserver import ServerConfig
 
     kid = procs.child("transport", "worker", {"tensors": dense_tensors(64)}, name="memory-reference-worker")
@@ -123,7 +125,7 @@ def _working(procs: Processes) -> dict[int, int]:
     procs.settle()
     try:
         _push_pull([kid], cluster.address, 1, 3)
-        return {i: rss_bytes(p.pid) for i, p in enumerate(cluster.procs)}
+        return {i: anon_bytes(p.pid) for i, p in enumerate(cluster.procs)}
     finally:
         procs.close_children([kid])
         procs.stop_soon(cluster)
@@ -140,15 +142,12 @@ def _case(plan: Plan, procs: Processes, workers: int, working: dict[int, int], w
     procs.settle()
     pids = [p.pid for p in cluster.procs]
     try:
-        idle = _idle_rss(pids)
+        idle = _idle_anon(pids)
         warmup, n = schedule(4 * plan.memory_params, plan.memory_rounds)
         with Sampler(pids) as sampler:
             _push_pull(kids, cluster.address, warmup, n, wire)
-        peaks = {pid: max(sampler.peak[pid], peak_rss_bytes(pid)) for pid in pids}
-        private = dict(sampler.peak_private)
-        shared = dict(sampler.peak_shared)
-        if wire != "shm":  # no shared pages: the kernel's peak is the private peak too
-            private = dict(peaks)
+        peaks = {pid: max(sampler.peak["VmRSS"][pid], peak_rss_bytes(pid)) for pid in pids}
+        anon = sampler.peak["RssAnon"]
     finally:
         procs.close_children(kids)
         procs.stop_soon(cluster)
@@ -169,11 +168,12 @@ def _case(plan: Plan, procs: Processes, workers: int, working: dict[int, int], w
         }
         extra = {
             "peak_rss_mb": round(peaks[pid] / MB, 3),
-            "peak_private_mb": round(private[pid] / MB, 3),
-            "peak_shared_mb": round(shared[pid] / MB, 3),
-            "idle_rss_mb": round(idle[pid] / MB, 3),
-            "working_rss_mb": round(working[i] / MB, 3),
-            "over_working": round((private[pid] - working[i]) / held, 3),
+            "peak_anon_mb": round(anon[pid] / MB, 3),
+            "peak_shared_mb": round(sampler.peak["RssShmem"][pid] / MB, 3),
+            "peak_file_mb": round(sampler.peak["RssFile"][pid] / MB, 3),
+            "idle_anon_mb": round(idle[pid] / MB, 3),
+            "working_anon_mb": round(working[i] / MB, 3),
+            "over_working": round((anon[pid] - working[i]) / held, 3),
         }
         figures.append(
             Figure(
@@ -183,16 +183,17 @@ def _case(plan: Plan, procs: Processes, workers: int, working: dict[int, int], w
                 "MB",
                 [extra["peak_rss_mb"]],
                 params,
-                extra={"idle_rss_mb": extra["idle_rss_mb"], "working_rss_mb": extra["working_rss_mb"]},
+                extra={"idle_anon_mb": extra["idle_anon_mb"], "working_anon_mb": extra["working_anon_mb"]},
             )
         )
         figures.append(
             Figure(
                 f"{SECTION}.overhead.{wire}.w{workers}.shard{i}",
                 SECTION,
-                f"(peak private - idle RSS) / (parameters + optimizer state), shard {i}, {workers} worker(s), {wire}",
+                f"(peak anonymous - idle anonymous RSS) / (parameters + optimizer state), shard {i}, {workers} "
+                f"worker(s), {wire}",
                 "x",
-                [round((private[pid] - idle[pid]) / held, 3)],
+                [round((anon[pid] - idle[pid]) / held, 3)],
                 params,
                 extra=extra,
             )

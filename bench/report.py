@@ -286,12 +286,13 @@ def _memory(ix: _Index) -> list[str]:
                 str(p["workers"]),
                 str(p["shard"]),
                 fmt(p["params_plus_state_mb"]),
-                fmt(e["idle_rss_mb"]),
                 fmt(e["peak_rss_mb"]),
-                fmt(e.get("peak_shared_mb", 0.0)),
-                fmt(e.get("peak_private_mb", e["peak_rss_mb"])),
+                fmt(e["peak_shared_mb"]),
+                fmt(e["peak_file_mb"]),
+                fmt(e["idle_anon_mb"]),
+                fmt(e["peak_anon_mb"]),
                 fmt(f["median"], "x"),
-                fmt(e["working_rss_mb"]),
+                fmt(e["working_anon_mb"]),
                 fmt(e["over_working"], "x"),
             ]
         )
@@ -301,20 +302,23 @@ def _memory(ix: _Index) -> list[str]:
         "workers",
         "shard",
         "params + SGD state MB",
-        "idle RSS MB",
         "peak RSS MB",
         "of which workers' segments MB",
-        "peak private MB",
-        "(private − idle) ÷ state",
-        "working-shard RSS MB",
-        "(private − working) ÷ state",
+        "of which library code MB",
+        "idle anon MB",
+        "peak anon MB",
+        "(anon − idle) ÷ state",
+        "working-shard anon MB",
+        "(anon − working) ÷ state",
     ]
     return [
         f"## Memory: peak RSS per shard (sync, SGD, {first['parameters']:,} parameters on {first['shards']} shards)",
         "",
-        "RSS sampled every 20 ms (and the kernel's VmHWM); idle = the same process before any model. private = RSS "
-        "without shared-memory pages: on the shm path each same-host worker's segment (two regions the size of "
-        "the shard's part, created by the worker) is mapped into the shard as well and shown apart. params + state "
+        "RSS sampled every 20 ms (and the kernel's VmHWM). anon = the shard's own memory (RssAnon: heap, buffers, "
+        "the model); RSS also counts the pages of shared-memory segments (on the shm path each same-host worker's "
+        "segment, two regions the size of the shard's part created by the worker, is mapped into the shard as "
+        "well) and file-backed pages (the code of Python, torch and gRPC, shared by every process that loads it), "
+        "shown apart. idle = the same process before any model. params + state "
         "= the shard's parameters and one gradient-sized buffer (1.00x would be the minimum). Working shard: a "
         "shard process holding a 64-element model after a few rounds, i.e. what every shard pays once whatever its "
         "model (building the first torch optimizer imports torch._dynamo).",
@@ -402,7 +406,7 @@ def summary(doc: Doc) -> str:
             w = top["params"]["workers"]
             v = max(f["extra"]["over_working"] for f in figs if f["params"]["workers"] == w)
             row(
-                f"shard private memory with {w} workers, {name}, ÷ (params + SGD state)",
+                f"shard memory (anon) with {w} workers, {name}, ÷ (params + SGD state)",
                 v,
                 "x",
                 "≤ 1.1x",
@@ -534,7 +538,7 @@ def _name(model: str) -> str:
 
 
 def _plot_memory(ax: Any, ix: _Index) -> None:
-    title = "shard 0 memory: (peak private − idle or working RSS) ÷ (params + SGD state)"
+    title = "shard 0 memory: (peak anon − idle or working anon RSS) ÷ (params + SGD state)"
     figs = [f for f in ix.section("memory") if f["unit"] == "x"]
     if not figs:
         return _empty(ax, title)

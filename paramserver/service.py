@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from paramserver import codec, shm
+from paramserver import codec, heap, shm
 from paramserver.doorbell import Payload, Reply
 from paramserver.errors import DataSocketUnavailable, InvalidArgument, MalformedStream, PSError, TooLarge, rpc_errors
 from paramserver.placement import SLICE_ELEMENTS, TensorSpec
@@ -142,17 +142,21 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Init(
         self, request_iterator: Iterator[ps_pb2.InitMessage], context: grpc.ServicerContext
     ) -> ps_pb2.InitResponse:
-        with rpc_errors(context, "Init", self.rejected), self.shard.initialising():
-            stream = self._stream(request_iterator, ps_pb2.InitMessage, context)
-            header = stream.header()
-            self.shard.check_worker(header.worker_id)
-            model = self.shard.prepare_init(
-                specs_from_proto(header.specs),
-                header.num_shards,
-                header.model_digest,
-            )
-            stream.receive(model.views(model.params.numpy()), model.labels, header.dtype)
-            return ps_pb2.InitResponse(version=self.shard.commit_init(model))
+        try:
+            with rpc_errors(context, "Init", self.rejected), self.shard.initialising():
+                stream = self._stream(request_iterator, ps_pb2.InitMessage, context)
+                header = stream.header()
+                self.shard.check_worker(header.worker_id)
+                model = self.shard.prepare_init(
+                    specs_from_proto(header.specs),
+                    header.num_shards,
+                    header.model_digest,
+                )
+                stream.receive(model.views(model.params.numpy()), model.labels, header.dtype)
+                return ps_pb2.InitResponse(version=self.shard.commit_init(model))
+        finally:
+            # An Init, taken or refused, leaves the slices gRPC read its stream into free but resident.
+            heap.release_free_memory()
 
     def _timeout(self, context: grpc.ServicerContext) -> float:
         """How long a pull may wait: the shard's limit, or less if the call's deadline comes first."""
