@@ -386,11 +386,15 @@ def test_tcp_reset_is_retried(job: Job) -> None:
     evicted = [t for t, _ in job.evictions(ids["worker-0"])]
     assert not job.evictions(ids["worker-1"]), job.evictions(ids["worker-1"])
     rejoined = _log_events(job.log("worker-0"), "re-joined shard")
-    # The resets reach whatever worker-0 sends meanwhile: a gRPC call fails UNAVAILABLE and is retried, or (when
-    # its only traffic is heartbeats, logged at debug level, while its step waits on an idle data-socket
-    # connection that sees no packet, hence no reset) the shards evict it and it re-joins after the heal.
-    assert retries or rejoined, f"worker-0 never noticed the resets:\n{job.text('worker-0')[-4000:]}"
-    assert all(t_cut - 1 <= t <= t_heal + 60 for t, _ in retries + rejoined), (retries, rejoined)
+    outage = [e for e in _log_events(job.log("worker-0"), "heartbeat to shard") if "failed" in e[1]]
+    # The resets reach whatever worker-0 sends meanwhile: a gRPC call fails UNAVAILABLE and is retried, and its
+    # heartbeats fail (a warning when the outage starts), even while its step waits on an idle data-socket
+    # connection that sees no packet, hence no reset.
+    assert retries or outage, f"worker-0 never noticed the resets:\n{job.text('worker-0')[-4000:]}"
+    if evicted:
+        assert rejoined, f"worker-0 was evicted and never re-joined:\n{job.text('worker-0')[-4000:]}"
+    noticed = retries + outage + rejoined
+    assert all(t_cut - 1 <= t <= t_heal + 60 for t, _ in noticed), (retries, outage, rejoined)
     if retries:
         assert any("Connection reset" in line or "Connection refused" in line for _, line in retries), retries
     _report(
@@ -403,6 +407,7 @@ def test_tcp_reset_is_retried(job: Job) -> None:
         last_retry_after_heal_seconds=round(retries[-1][0] - t_heal, 2) if retries else None,
         evicted_after_seconds=[round(t - t_cut, 2) for t in evicted],
         rejoin_after_heal_seconds=[round(t - t_heal, 2) for t, _ in rejoined],
+        heartbeat_outage_logged_after_seconds=[round(t - t_cut, 2) for t, _ in outage],
         accuracy=[m0["test_accuracy"], m1["test_accuracy"]],
         stale_pushes=[m0["stale_pushes"], m1["stale_pushes"]],
         test_seconds=round(time.monotonic() - t0, 1),

@@ -7,6 +7,8 @@ with lr=1, so every expected weight is exact in float32 and compared with `torch
 
 from __future__ import annotations
 
+import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -356,6 +358,25 @@ def test_heartbeats_keep_an_idle_worker_in_the_job(ps_cluster_factory: Callable[
         statuses = [s.describe() for s in cluster.shards]
     assert [s.live_workers for s in statuses] == [1, 1]
     assert [s.stats.evictions for s in statuses] == [0, 0]
+
+
+def test_a_heartbeat_outage_is_logged_when_it_starts_and_when_it_ends(caplog: pytest.LogCaptureFixture) -> None:
+    config = ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=1.0, lease_timeout=3.0)
+    with LocalCluster(config, shards=1, processes=True) as cluster:
+        with caplog.at_level(logging.DEBUG, logger="worker.client"), PSClient(cluster.address, timeout=CALL_TIMEOUT):
+            cluster.kill(0, signal.SIGSTOP)  # the shard hears nothing and answers nothing: every heartbeat times out
+            try:
+                time.sleep(5.0)  # two heartbeats or more (one every 2 s: a 1 s wait, then a 1 s timeout) fail
+            finally:
+                cluster.kill(0, signal.SIGCONT)
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline and not any("answered again" in r.getMessage() for r in caplog.records):
+                time.sleep(0.1)
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "worker.client"]
+    failed = [m for level, m in messages if "heartbeat to shard" in m and level == logging.WARNING]
+    assert len(failed) == 1 and cluster.address in failed[0] and "lease timeout" in failed[0], messages
+    assert sum("failed again" in m for _, m in messages) >= 1, messages  # the rest of the outage at debug level
+    assert any(level == logging.INFO and "answered again" in m for level, m in messages), messages
 
 
 def test_a_push_from_an_evicted_worker_is_aborted_and_changes_nothing(

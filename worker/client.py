@@ -83,6 +83,12 @@ _MODES = {ps_pb2.SYNC: "sync", ps_pb2.ASYNC: "async", ps_pb2.SSP: "ssp"}
 INLINE_BYTES = CHUNK_BYTES
 INIT_POLL_S = 0.1  # how often a worker asks again while another worker's Init of a shard runs
 CONNECT_S = 5.0  # how long connecting to a data socket may take before the worker settles for gRPC
+# How long a worker that settled for gRPC with a shard (no data socket served or reached) keeps to it before it
+# tries again, doubling after each try that fails, up to the cap: a shard restarted at the wrong moment, or a port
+# opened late, costs a while at gRPC speed, not the whole run, and a port whose packets are dropped stalls a step
+# for CONNECT_S ever more rarely.
+RETRY_LINK_S = 30.0
+RETRY_LINK_MAX_S = 900.0
 
 
 def channel_options(max_message_bytes: int = 4 * 1024 * 1024 + 4096) -> list[tuple[str, Any]]:
@@ -251,12 +257,15 @@ class PSClient:
         self._pool = futures.ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps-client")
         # Per shard: the attached shared-memory segment (one per worker and shard: the shard holds one model) and
         # its doorbell connection, or the data-socket connection; the model digest they are for; the shards that
-        # cannot share memory, and those that take only gRPC.
+        # cannot share memory; those that take only gRPC for now (until when), and those the user was told so of
+        # (once, not at every retry).
         self._segments: list[shm.Segment | None] = [None] * len(self.addresses)
         self._segment_digest = [""] * len(self.addresses)
         self._bells: list[DoorbellClient | None] = [None] * len(self.addresses)
         self._no_shm: set[int] = set()
-        self._streams_only: set[int] = set()
+        self._streams_until: dict[int, float] = {}
+        self._retry_after: dict[int, float] = {}  # the next wait before trying again, per shard on gRPC
+        self._fell_back: dict[int, str] = {}  # shard -> why it is on gRPC, as last told
         self.versions = [0] * len(self.addresses)  # what each shard's last pull returned
         self._min_next = [0] * len(self.addresses)  # the version a pull must wait for after a push
         self._incarnation = [""] * len(self.addresses)  # which run of each shard those versions belong to
@@ -290,6 +299,7 @@ class PSClient:
 
     def _beat(self, interval: float) -> None:
         req = ps_pb2.HeartbeatRequest(worker_id=self.worker_id)
+        failing: set[int] = set()  # shards whose last heartbeat failed: an outage is logged when it starts and ends
         while not self._closing.wait(interval):
             for k, stub in enumerate(self._stubs):
                 if not self._joined or self._closing.is_set():
@@ -303,8 +313,20 @@ class PSClient:
                             self._rejoin(k)
                         except PSError as again:
                             log.warning("re-joining shard %s failed: %s", self.addresses[k], again)
+                    elif k not in failing:
+                        failing.add(k)
+                        log.warning(
+                            "heartbeat to shard %s failed: %s; the shard evicts this worker if it hears nothing "
+                            "for its lease timeout",
+                            self.addresses[k],
+                            exc,
+                        )
                     else:
-                        log.debug("heartbeat to %s failed: %s", self.addresses[k], exc)
+                        log.debug("heartbeat to %s failed again: %s", self.addresses[k], exc)
+                    continue
+                if k in failing:
+                    failing.discard(k)
+                    log.info("heartbeat to shard %s answered again", self.addresses[k])
 
     def _rejoin(self, k: int) -> None:
         """Join shard k again after it evicted or forgot this worker; its versions start afresh."""
@@ -314,6 +336,9 @@ class PSClient:
         except grpc.RpcError as err:
             raise from_rpc_error(err, self.addresses[k]) from None
         self._min_next[k] = 0
+        # A restarted shard may serve now what it did not: try at once.
+        self._streams_until.pop(k, None)
+        self._retry_after.pop(k, None)
         log.warning(
             "worker %s re-joined shard %s (it had been evicted or the shard restarted)",
             self.worker_id[:8],
@@ -613,8 +638,10 @@ class PSClient:
     def _link(self, b: _Binding, k: int) -> shm.Segment | DoorbellClient | None:
         """Shard k's attachment for this model, attaching first if needed: a shared-memory segment (same host) or
         a data-socket connection; None: use gRPC."""
-        if not self._joined or k in self._streams_only:
+        if not self._joined:
             return None  # an attachment belongs to a joined worker: a reader that did not join uses gRPC
+        if self._streams_until.get(k, 0.0) > time.monotonic():
+            return None
         if self._segment_digest[k] == b.placement.digest and (self._segments[k] or self._bells[k]) is not None:
             return self._segments[k] or self._bells[k]
         self._drop_segment(k)
@@ -624,8 +651,12 @@ class PSClient:
         if link is None and self.data_socket:
             link = self._attach_socket(b, k)
         if link is None:
-            self._streams_only.add(k)
+            wait = self._retry_after.get(k, RETRY_LINK_S)
+            self._streams_until[k] = time.monotonic() + wait
+            self._retry_after[k] = min(2 * wait, RETRY_LINK_MAX_S)
         else:
+            self._streams_until.pop(k, None)
+            self._retry_after.pop(k, None)
             self._segment_digest[k] = b.placement.digest
         return link
 
@@ -669,7 +700,9 @@ class PSClient:
         try:
             reply = self._on_shard(k, lambda: self._stubs[k].Attach(req, timeout=self.timeout))
         except (DataSocketUnavailable, SharedMemoryUnavailable) as exc:  # the latter: a shard that predates it
-            log.info("shard %s offers no data socket (%s): using gRPC", self.addresses[k], exc)
+            level = logging.DEBUG if self._fell_back.get(k) == "none" else logging.INFO
+            self._fell_back[k] = "none"
+            log.log(level, "shard %s offers no data socket (%s): using gRPC", self.addresses[k], exc)
             return None
         where = (split_host(self.addresses[k]), int(reply.data_port))
         try:
@@ -677,14 +710,20 @@ class PSClient:
                 where, req, self.addresses[k], min(self.timeout, CONNECT_S), self._tls, self._tls_server_name
             )
         except (OSError, ConnectionError, PSError) as exc:
-            log.warning(
-                "shard %s: its data socket at %s:%d cannot be reached (%s); using gRPC (slower): open that port "
-                "where the gRPC port is open",
-                self.addresses[k],
-                *where,
-                exc,
-            )
+            if self._fell_back.get(k) != "unreachable":
+                self._fell_back[k] = "unreachable"
+                log.warning(
+                    "shard %s: its data socket at %s:%d cannot be reached (%s); using gRPC (slower) and trying "
+                    "again from time to time: open that port where the gRPC port is open",
+                    self.addresses[k],
+                    *where,
+                    exc,
+                )
+            else:
+                log.debug("shard %s: data socket at %s:%d still unreachable (%s)", self.addresses[k], *where, exc)
             return None
+        if self._fell_back.pop(k, None) is not None:
+            log.info("shard %s: data socket at %s:%d reached: leaving gRPC", self.addresses[k], *where)
         self._bells[k] = bell
         return bell
 
