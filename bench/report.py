@@ -63,6 +63,8 @@ _PATHS = {
     "socket-bf16": "data socket, bf16 wire",
     "float32": "gRPC",
     "bf16": "gRPC, bf16 wire",
+    "socket-tls": "data socket, TLS",
+    "float32-tls": "gRPC, TLS",
 }
 
 
@@ -375,6 +377,10 @@ def summary(doc: Doc) -> str:
             for what, base in (("push", "up"), ("pull", "down")):
                 t = ratio(f"transport.{what}.100MB.s2.w1.{wire}", f"baselines.tcp.{base}.100MB")
                 row(f"{what} GB/s, {name} ÷ raw TCP", t, "x", "≥ 0.7x", check(t, 0.7, lower=False))
+    for wire, name in (("socket", "data socket"), ("float32", "gRPC")):
+        r = ratio(f"transport.rt.100MB.s2.w1.{wire}-tls", f"transport.rt.100MB.s2.w1.{wire}")
+        if r is not None:
+            row(f"100 MB push + pull, 2 shards, 1 worker, {name} with TLS ÷ in the clear", r, "x", "", None)
     for wire, name in _SUMMARY_PATHS[:3]:
         fid = f"transport.rt.340KB.s2.w1.{wire}"
         if ix.get(fid) is not None:

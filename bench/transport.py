@@ -8,11 +8,13 @@ Each case runs on three paths, all measured on this one machine: "shm" (the defa
 host: shared memory plus the Unix-socket doorbell); "socket" (the default for a worker on another host: the
 shard's TCP data socket, `PSClient(shared_memory=False)`, here over loopback); and the gRPC streams ("float32",
 `PSClient(shared_memory=False, data_socket=False)`: a shard that serves no data socket, or a port not opened).
-"socket-bf16" and "bf16" are the last two with the bf16 wire.
+"socket-bf16" and "bf16" are the last two with the bf16 wire; "socket-tls" and "float32-tls" are the same two on
+shards that serve TLS (a throwaway PKI from `paramserver.testing.make_pki`): what encryption costs each path.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 from typing import Any
 
@@ -26,7 +28,10 @@ PATHS = {
     "socket-bf16": "data socket (TCP), bf16 wire",
     "float32": "gRPC streams, float32 wire",
     "bf16": "gRPC streams, bf16 wire",
+    "socket-tls": "data socket (TCP) with TLS, float32 wire",
+    "float32-tls": "gRPC streams with TLS, float32 wire",
 }
+TLS_WIRES = ("socket-tls", "float32-tls")
 LR = 0.01
 TIMEOUT = 600.0
 
@@ -65,6 +70,7 @@ def _worker(chan: Channel, params: dict[str, Any]) -> None:
             dtype="bf16" if wire.endswith("bf16") else "float32",
             shared_memory=wire == "shm",
             data_socket=wire.startswith("socket"),
+            tls_ca=job.get("tls_ca"),
         ) as client:
             client.register(model)
             chan.send("registered", rank=client.rank)
@@ -92,16 +98,20 @@ ROLES = {"worker": _worker}
 
 
 def run(plan: Plan, procs: Processes) -> list[Figure]:
-    """Measure every payload x shards x workers case, the bf16 wire, and the digits MLP."""
+    """Measure every payload x shards x workers case, the bf16 wire, TLS, and the digits MLP."""
     figures: list[Figure] = []
     for label, numel in plan.payloads.items():
         for shards in plan.transport_shards:
             for workers in plan.transport_workers:
                 dtypes = list(WIRES)
-                if label == plan.bf16_payload and shards == 2 and workers == 1:
+                special = label == plan.bf16_payload and shards == 2 and workers == 1
+                if special:
                     dtypes += ["socket-bf16", "bf16"]  # the same cluster and model, further clients
                 spec = {"tensors": dense_tensors(numel)}
                 figures += _case(procs, plan, label, numel, spec, shards, workers, dtypes)
+                if special:
+                    with tempfile.TemporaryDirectory(prefix="bench-pki-") as d:
+                        figures += _case(procs, plan, label, numel, spec, shards, workers, list(TLS_WIRES), d)
     if plan.small_model:
         figures += _case(procs, plan, "340KB", MLP_PARAMS, {"model": "mlp"}, 2, 1, list(WIRES))
     return figures
@@ -116,19 +126,29 @@ def _case(
     shards: int,
     workers: int,
     dtypes: list[str],
+    pki_dir: str | None = None,
 ) -> list[Figure]:
+    """One cluster and its workers, timed on each of `dtypes` in turn; with `pki_dir`, the shards serve TLS with a
+    throwaway PKI written there."""
     from paramserver import ServerConfig
+    from paramserver.testing import make_pki
 
     nbytes = 4 * numel
     warmup, n = schedule(nbytes, plan.repeats)
+    config = ServerConfig(mode="sync", workers=workers, optimizer="sgd", lr=LR)
+    tls: dict[str, str] = {}
+    if pki_dir is not None:
+        pki = make_pki(pki_dir)
+        config = config.replace(tls_cert=pki["server_cert"], tls_key=pki["server_key"])
+        tls = {"tls_ca": pki["ca"]}
     kids = [procs.child(SECTION, "worker", spec, name=f"transport-worker{r}") for r in range(workers)]
-    cluster = procs.cluster(ServerConfig(mode="sync", workers=workers, optimizer="sgd", lr=LR), shards)
+    cluster = procs.cluster(config, shards)
     procs.settle()
     figures = []
     try:
         for dtype in dtypes:
             for k in kids:
-                k.send(address=cluster.address, wire=dtype, warmup=warmup, n=n)
+                k.send(address=cluster.address, wire=dtype, warmup=warmup, n=n, **tls)
             for k in kids:
                 k.expect("registered", TIMEOUT)
             for k in kids:
@@ -148,6 +168,8 @@ def _figures(
 ) -> list[Figure]:
     params = {"payload": label, "bytes": nbytes, "shards": shards, "workers": workers, "wire": dtype, "mode": "sync"}
     key = f"{label}.s{shards}.w{workers}.{dtype}"
+    plain = key.removesuffix("-tls")  # a TLS path compares with the same path in the clear, too
+    also = [] if plain == key else [plain]
     per_worker = [[p + q for p, q in zip(r["push"], r["pull"], strict=True)] for r in results]
     rounds = [t for ts in per_worker for t in ts]  # each worker's own round trips, all of them
     path = PATHS[dtype]
@@ -159,7 +181,12 @@ def _figures(
         repeats=ms(rounds),
         params=params,
         warmup=warmup,
-        compare=[f"baselines.tcp.rt.{label}", f"baselines.rpc.rt.{label}.w{workers}", f"baselines.gloo.{label}"],
+        compare=[
+            f"baselines.tcp.rt.{label}",
+            f"baselines.rpc.rt.{label}.w{workers}",
+            f"baselines.gloo.{label}",
+            *(f"{SECTION}.rt.{k}" for k in also),
+        ],
         extra={"per_worker_ms": [ms(ts) for ts in per_worker]} if workers > 1 else {},
     )
     fused = Figure(
@@ -170,7 +197,7 @@ def _figures(
         repeats=ms([t for r in results for t in r["fused"]]),
         params=params,
         warmup=0,
-        compare=[f"baselines.gloo.{label}"],
+        compare=[f"baselines.gloo.{label}", *(f"{SECTION}.step.{k}" for k in also)],
     )
     if workers > 1:
         return [rt, fused]
@@ -188,7 +215,7 @@ def _figures(
                 repeats=gbps(nbytes, times),
                 params=params,
                 warmup=warmup,
-                compare=[f"baselines.tcp.{base}.{label}"],
+                compare=[f"baselines.tcp.{base}.{label}", *(f"{SECTION}.{what}.{k}" for k in also)],
                 extra={**extra, "ms": ms(times), "wire_gb_per_s": median(gbps(wire_bytes, times))},
             )
         )

@@ -2,85 +2,27 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import subprocess
 import sys
 import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from paramserver import LocalCluster, ServerConfig
 from paramserver.errors import PSError, Unauthenticated
+from paramserver.testing import make_pki
 from worker import PSClient
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _key() -> ec.EllipticCurvePrivateKey:
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _cert(
-    subject: str, key, issuer_name: x509.Name | None = None, issuer_key=None, ca: bool = False, server: bool = False
-) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.UTC)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(issuer_name or name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if server:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-    return builder.sign(issuer_key or key, hashes.SHA256())
-
-
-def _write(path: Path, cert: x509.Certificate | None = None, key=None) -> str:
-    if cert is not None:
-        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    else:
-        path.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-        )
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, str]:
     """A CA, a shard certificate for 127.0.0.1/localhost, a client certificate, and a client from another CA."""
-    d = tmp_path_factory.mktemp("pki")
-    ca_key, rogue_key = _key(), _key()
-    ca = _cert("paramserver test CA", ca_key, ca=True)
-    rogue_ca = _cert("someone else's CA", rogue_key, ca=True)
-    server_key, client_key, stranger_key = _key(), _key(), _key()
-    return {
-        "ca": _write(d / "ca.pem", ca),
-        "server_cert": _write(d / "server.pem", _cert("shard", server_key, ca.subject, ca_key, server=True)),
-        "server_key": _write(d / "server.key", key=server_key),
-        "client_cert": _write(d / "client.pem", _cert("worker", client_key, ca.subject, ca_key)),
-        "client_key": _write(d / "client.key", key=client_key),
-        "stranger_cert": _write(d / "stranger.pem", _cert("worker", stranger_key, rogue_ca.subject, rogue_key)),
-        "stranger_key": _write(d / "stranger.key", key=stranger_key),
-    }
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _train_one_step(client: PSClient) -> torch.Tensor:
