@@ -31,13 +31,17 @@ class Applier(Protocol):
     ) -> None:
         """Run one optimizer step with this flat gradient and bump the version (with what to record about it)."""
 
+    def keep_scratch(self, grad: torch.Tensor, instead: torch.Tensor) -> None:
+        """Keep `grad`, a lent scratch buffer, for good; `instead` (the same size) goes back in its place."""
+
 
 class Policy(Protocol):
     def reset(self, numel: int) -> None:
         """Forget any round in progress; the model now has `numel` elements."""
 
-    def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor) -> None:
-        """Take one worker's gradient computed on `base_version`; apply now or later."""
+    def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor, lent: bool = False) -> None:
+        """Take one worker's gradient computed on `base_version`; apply now or later. `lent`: `grad` is a scratch
+        buffer the policy may keep, through `shard.keep_scratch`, instead of copying it."""
 
     def membership_changed(self, shard: Applier) -> None:
         """React to a worker joining or leaving."""
@@ -59,7 +63,8 @@ class SyncPolicy:
     """Bulk-synchronous: one in-place sum per round; the mean applies once every live worker has pushed.
 
     With `backup_workers` B, a round applies once all live workers but B have pushed; pushes for a closed round
-    are refused. Memory is one gradient-sized buffer whatever the number of workers.
+    are refused. Memory is one gradient-sized buffer whatever the number of workers; a round's first gradient
+    received into a scratch buffer becomes that buffer (the old one returns to the scratch pool), with no copy.
     """
 
     def __init__(self, backup_workers: int = 0) -> None:
@@ -73,7 +78,7 @@ class SyncPolicy:
         self._sum = torch.empty(numel, dtype=torch.float32)
         self._contributors = set()
 
-    def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor) -> None:
+    def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor, lent: bool = False) -> None:
         if base_version != shard.version:
             raise StaleRound(
                 f"push computed on version {base_version}, but the shard is at version {shard.version}: "
@@ -93,7 +98,11 @@ class SyncPolicy:
         if self._contributors:
             self._sum.add_(grad)
         else:
-            self._sum.copy_(grad)
+            if lent:  # the round's first gradient, in a scratch buffer: it becomes the sum, sparing a copy
+                shard.keep_scratch(grad, self._sum)
+                self._sum = grad
+            else:
+                self._sum.copy_(grad)
             self._opened = time.monotonic()
         self._contributors.add(worker_id)
         self._last = worker_id
@@ -157,7 +166,7 @@ class AsyncPolicy:
     def may_pull(self, shard: Applier, worker_id: str) -> bool:
         return True
 
-    def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor) -> None:
+    def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor, lent: bool = False) -> None:
         staleness = self._check(shard, base_version)
         shard.apply(grad, staleness=staleness)
 
@@ -201,7 +210,7 @@ class SSPPolicy(AsyncPolicy):
     def reset(self, numel: int) -> None:
         self._clock = {}
 
-    def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor) -> None:
+    def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor, lent: bool = False) -> None:
         staleness = self._check(shard, base_version)
         self._track(shard)
         shard.apply(grad, staleness=staleness)

@@ -197,11 +197,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             with self.shard.scratch() as grad:
                 stream.receive(model.views(grad), model.labels, header.dtype)
                 version, applied = self.shard.push(
-                    header.worker_id,
-                    header.step,
-                    header.base_version,
-                    grad,
-                    header.model_digest,
+                    header.worker_id, header.step, header.base_version, grad, header.model_digest, lent=True
                 )
             self.shard.metrics.bytes_in.inc(stream.bytes)
             return ps_pb2.PushResponse(version=version, applied=applied)
@@ -294,7 +290,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.shard.check_worker(request.worker_id)
         with self.shard.scratch() as grad:
             fill(grad)
-            return self.shard.push(request.worker_id, request.step, request.base_version, grad, request.model_digest)
+            return self.shard.push(
+                request.worker_id, request.step, request.base_version, grad, request.model_digest, lent=True
+            )
 
     @contextlib.contextmanager
     def _pulling(

@@ -130,12 +130,14 @@ class BufferPool:
     """At most `size` gradient-sized scratch buffers, reused; a caller past the bound waits for one.
 
     Last in, first out: one worker at a time keeps reusing one warm buffer, and the others are only ever allocated
-    (and paged in) when pushes really overlap.
+    (and paged in) when pushes really overlap. A borrower may `trade` the buffer it holds for another of the same
+    size, which then goes back to the pool in its place.
     """
 
     def __init__(self, size: int, numel: int) -> None:
         self._numel = numel
         self._free: queue.LifoQueue[np.ndarray | None] = queue.LifoQueue()
+        self._traded: dict[int, np.ndarray] = {}  # address of a lent buffer -> what comes back instead
         for _ in range(size):
             self._free.put(None)  # allocated on first use: an idle shard holds no scratch memory
 
@@ -147,7 +149,13 @@ class BufferPool:
         try:
             yield buf
         finally:
-            self._free.put(buf)
+            self._free.put(self._traded.pop(buf.ctypes.data, buf))
+
+    def trade(self, lent: np.ndarray, instead: np.ndarray) -> None:
+        """Keep the lent buffer `lent`: `instead` (gradient-sized float32) returns to the pool when its loan ends."""
+        if instead.shape != (self._numel,) or instead.dtype != np.float32:
+            raise ValueError(f"a pool of {self._numel} float32 takes no {instead.dtype} buffer of {instead.shape}")
+        self._traded[lent.ctypes.data] = instead
 
 
 class Shard:
@@ -392,8 +400,11 @@ class Shard:
         with pool.take() as buf:
             yield buf
 
-    def push(self, worker_id: str, step: int, base_version: int, grad: np.ndarray, digest: str) -> tuple[int, bool]:
-        """Hand a validated gradient to the consistency policy; return (version, applied)."""
+    def push(
+        self, worker_id: str, step: int, base_version: int, grad: np.ndarray, digest: str, lent: bool = False
+    ) -> tuple[int, bool]:
+        """Hand a validated gradient to the consistency policy; return (version, applied). `lent`: the gradient is
+        in a buffer lent by `scratch()`, which the policy may keep (see `keep_scratch`)."""
         with self._cond:
             model = self.require_model(digest)
             if grad.shape != (model.numel,):
@@ -404,7 +415,7 @@ class Shard:
                 self.metrics.pushed("duplicate")
                 return self.version, False
             try:
-                self.policy.submit(self, worker_id, base_version, torch.from_numpy(grad))
+                self.policy.submit(self, worker_id, base_version, torch.from_numpy(grad), lent=lent)
             except StaleRound:
                 self.stats.late_pushes += 1
                 raise
@@ -412,6 +423,12 @@ class Shard:
                 self.applied.record(worker_id, step)
             self.metrics.pushed("applied")
             return self.version, True
+
+    def keep_scratch(self, grad: torch.Tensor, instead: torch.Tensor) -> None:
+        """Let the policy keep the scratch buffer a push was received into (as a round's sum: no copy); `instead`
+        goes back to the pool in its place."""
+        assert self._pool is not None
+        self._pool.trade(grad.numpy(), instead.numpy())
 
     def apply(
         self,

@@ -298,6 +298,34 @@ def test_eviction_of_a_silent_worker_closes_the_pending_round(sync_shard: Shard)
     assert shard.describe().stats.evictions == 1
 
 
+def _push_lent(shard: Shard, worker_id: str, step: int, base: int, grad: np.ndarray) -> tuple[tuple[int, bool], int]:
+    """Push as the network paths do, received into a scratch buffer; return (the answer, that buffer's address)."""
+    with shard.scratch() as buf:
+        buf[:] = grad
+        return shard.push(worker_id, step, base, buf, SHARD_DIGEST, lent=True), buf.ctypes.data
+
+
+def test_a_rounds_first_gradient_in_a_scratch_buffer_becomes_the_sum_and_buffers_never_alias(
+    sync_shard: Shard,
+) -> None:
+    shard = sync_shard
+    weights = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    for round_, (a, b) in enumerate([((1, 2, 3, 4), (3, 2, 1, 0)), ((8, 8, 8, 8), (0, 0, 0, 16))]):
+        answer, first = _push_lent(shard, "A", round_ + 1, round_, _grad(*a))
+        assert answer == (round_, True)
+        held = shard.policy._sum  # type: ignore[attr-defined]
+        assert held.data_ptr() == first, "the first gradient was copied, not kept as the round's sum"
+        assert torch.equal(held, torch.from_numpy(_grad(*a)))
+        # A refused push (a round it did not compute on) leaves the sum and the pool as they were.
+        with pytest.raises(StaleRound):
+            _push_lent(shard, "B", 99, round_ + 5, _grad(16, 16, 16, 16))
+        answer, second = _push_lent(shard, "B", round_ + 1, round_, _grad(*b))
+        assert answer == (round_ + 1, True)
+        assert second != first, "the second gradient was received into the round's sum"
+        weights -= (torch.from_numpy(_grad(*a)) + torch.from_numpy(_grad(*b))) / 2
+        assert torch.equal(shard.model.params, weights)
+
+
 def test_tick_keeps_workers_within_their_lease(sync_shard: Shard) -> None:
     shard = sync_shard
     shard.push("A", 1, 0, _grad(1, 1, 1, 1), SHARD_DIGEST)
