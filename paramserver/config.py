@@ -41,13 +41,16 @@ def add_arguments(group: argparse._ActionsContainer, cls: type) -> None:
                 help=f.metadata["help"],
             )
             continue
+        text = f.metadata["help"]
+        if "(default" not in text and f.default not in ("", None):  # unset is said by the help itself, or not at all
+            text += " (default: %(default)s)"
         group.add_argument(
             flag,
             dest=f.name,
             type=_TYPES[str(f.type)],
             default=f.default,
             choices=f.metadata.get("choices"),
-            help=f"{f.metadata['help']} (default: %(default)s)",
+            help=text,
         )
 
 
@@ -99,7 +102,9 @@ class ServerConfig:
         "(ABORTED) and counted",
     )
     checkpoint_dir: str | None = config_field(
-        None, "directory for this job's checkpoints; a shard restores the newest valid one at start"
+        None,
+        "directory for this job's checkpoints; a shard restores the newest valid one at start "
+        "(default: none, no checkpoints)",
     )
     checkpoint_every: str = config_field(
         "100", "checkpoint every N versions ('100'), or every N seconds ('30s'); 0 = only on SIGTERM"
@@ -113,10 +118,10 @@ class ServerConfig:
     tls_key: str | None = config_field(None, "PEM private key of this shard")
     tls_ca: str | None = config_field(None, "PEM CA whose client certificates are required (mutual TLS)")
     auth_token_file: str | None = config_field(
-        None, "file holding a shared bearer token that every call but health checks must carry"
+        None, "file holding a shared bearer token that every call but health checks must carry (default: no token)"
     )
     metrics_port: int | None = config_field(
-        None, "serve Prometheus metrics on this port (ps-server --shards N: shard i on port + i)"
+        None, "serve Prometheus metrics on this port (ps-server --shards N: shard i on port + i; default: none)"
     )
     shared_memory: bool = config_field(
         True,

@@ -58,7 +58,8 @@ class TrainConfig:
     data_socket: bool = config_field(
         True,
         "exchange tensors with shards on other hosts as raw bytes over their TCP data socket (gRPC only for "
-        "control); off, or where a shard serves none or its port is closed: gRPC streams",
+        "control); off, or where a shard serves none or its port is closed: gRPC streams (the data socket is "
+        "tried again after 30 s, then less and less often)",
     )
     job_name: str = config_field("", "job to join; refused if the servers run another (default: any)")
     threads: int = config_field(1, "torch CPU threads (1 is fastest when shards and workers share the cores)")
