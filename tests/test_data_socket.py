@@ -24,6 +24,7 @@ import logging
 import secrets
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -286,6 +287,30 @@ def test_a_shard_on_ipv6_serves_its_data_socket(ps_cluster_factory: Callable[...
 
 
 # -- 2. raw frames over TCP ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16], ids=["float32", "bf16"])
+def test_a_small_frame_goes_out_whole_through_partial_sends_and_many_pieces(dtype: int) -> None:
+    # 1100 pieces (more buffers than one sendmsg may take: IOV_MAX is 1024) through a 4 KiB send buffer (many
+    # partial sends).
+    arrays = [np.arange(i, i + 100, dtype=np.float32) / 7 for i in range(1100)]
+    head = b"frame head"
+    a, b = socket.socketpair()
+    with a, b:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        a.settimeout(10.0)  # as every data socket has: a non-blocking descriptor, which sends what fits
+        got = bytearray()
+
+        def drain() -> None:
+            want = len(head) + doorbell.payload_bytes(arrays, dtype)
+            while len(got) < want:
+                got.extend(b.recv(1000))
+
+        reader = threading.Thread(target=drain)
+        reader.start()
+        doorbell.send_frame(a, head, arrays, dtype)
+        reader.join(timeout=10)
+    assert bytes(got) == head + b"".join(encode(x, dtype) for x in arrays)
 
 
 def test_data_socket_hello_must_present_the_workers_ticket(raw: Raw) -> None:
