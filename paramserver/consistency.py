@@ -58,6 +58,10 @@ class Policy(Protocol):
     def may_pull(self, shard: Applier, worker_id: str) -> bool:
         """Whether this worker's pull may return now (once it has its version); the shard waits until it may."""
 
+    def stable_for(self, shard: Applier, worker_id: str) -> bool:
+        """Whether no update can apply before this worker pushes again, so its pull may send the weights in place,
+        outside the lock, instead of a copy taken under it."""
+
 
 class SyncPolicy:
     """Bulk-synchronous: one in-place sum per round; the mean applies once every live worker has pushed.
@@ -127,6 +131,10 @@ class SyncPolicy:
     def may_pull(self, shard: Applier, worker_id: str) -> bool:
         return True
 
+    def stable_for(self, shard: Applier, worker_id: str) -> bool:
+        # No round closes without a live worker's gradient, unless backup workers let rounds close without it.
+        return self.backup_workers == 0 and worker_id in shard.membership.live
+
     def round_age(self) -> float:
         """Seconds since the open round's first gradient (0 when none is open)."""
         return time.monotonic() - self._opened if self._contributors else 0.0
@@ -165,6 +173,9 @@ class AsyncPolicy:
 
     def may_pull(self, shard: Applier, worker_id: str) -> bool:
         return True
+
+    def stable_for(self, shard: Applier, worker_id: str) -> bool:
+        return False  # any other worker's push applies at once
 
     def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor, lent: bool = False) -> None:
         staleness = self._check(shard, base_version)

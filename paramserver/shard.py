@@ -473,18 +473,14 @@ class Shard:
     ) -> Iterator[tuple[int, ShardModel, np.ndarray]]:
         """Wait like `wait_for`, then lend (version, model, the flat weights of that one version) to send.
 
-        In sync mode without backup workers a live worker's pull reads the weights in place: no round can close
-        before it pushes again. Any other pull (async, ssp, backup workers, a reader that did not join) gets a
-        copy taken under the lock into a scratch buffer, so an update applied while it is sent cannot tear it.
+        Where the policy says no update can apply before this worker pushes again (a live worker in sync mode
+        without backup workers), the weights are lent in place. Any other pull (async, ssp, backup workers, a
+        reader that did not join) gets a copy taken under the lock into a scratch buffer, so an update applied
+        while it is sent cannot tear it.
         """
         version, model = self.wait_for(min_version, timeout, worker_id)  # before taking a buffer pushes need
         with self._cond:
-            in_place = (
-                self.config.mode == "sync"
-                and self.config.backup_workers == 0
-                and bool(worker_id)
-                and worker_id in self.membership.live
-            )
+            in_place = self.policy.stable_for(self, worker_id)
         if in_place:
             yield version, model, model.params.numpy()
             return

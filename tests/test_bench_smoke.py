@@ -80,6 +80,12 @@ def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.Co
         assert any(i.startswith("transport.rt.") and i.endswith(f".{path}") for i in ids), path
         assert any(i.startswith(f"memory.overhead.{path}.") for i in ids), path
     assert any(i.startswith("transport.step.") for i in ids)
+    # TLS: the data socket and gRPC on shards that serve it, each against the same path in the clear.
+    by_id = {f["id"]: f for f in figures}
+    for path in ("socket", "float32"):
+        tls = [f for i, f in by_id.items() if i.startswith("transport.rt.") and i.endswith(f".{path}-tls")]
+        assert tls, path
+        assert any(base.endswith(f".{path}") for base in tls[0]["ratios"]), tls[0]["ratios"]
     # Ratios against the baselines of the same run are computed, and they are positive.
     ratios = [r for f in figures for r in f.get("ratios", {}).values()]
     assert ratios and all(r > 0 for r in ratios)

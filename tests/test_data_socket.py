@@ -154,7 +154,7 @@ def _on_data_socket(client: PSClient) -> bool:
     return (
         all(isinstance(b, DoorbellClient) for b in client._bells)
         and all(s is None for s in client._segments)
-        and not client._streams_until
+        and not client._on_grpc
     )
 
 
@@ -266,7 +266,7 @@ def test_bf16_over_the_data_socket_is_bit_identical_to_bf16_over_the_streams(
     with _client(fast, dtype="bf16") as a, _client(slow, dtype="bf16", data_socket=False) as b:
         runs = _bf16_steps(a), _bf16_steps(b)
         assert _on_data_socket(a)
-        assert set(b._streams_until) == {0, 1} and b._bells == [None, None]
+        assert set(b._on_grpc) == {0, 1} and b._bells == [None, None]
     for step, (x, y) in enumerate(zip(*runs, strict=True)):
         for name in x:
             assert torch.equal(x[name], y[name]), f"{name} differs after step {step}"
@@ -502,7 +502,7 @@ def test_a_shard_without_a_data_socket_refuses_the_attach_and_the_client_uses_gr
     assert [s.data_port for s in cluster.servers] == [0, 0]
     with _client(cluster) as client:
         _train(client, _big_model())
-        assert set(client._streams_until) == {0, 1}
+        assert set(client._on_grpc) == {0, 1}
         assert client._bells == [None, None] and client._segments == [None, None]
     shard = cluster.shards[0]
     with grpc.insecure_channel(cluster.address) as channel:
@@ -531,7 +531,7 @@ def test_an_unreachable_data_socket_falls_back_to_grpc_with_a_warning(
         port = server.data_port
         with caplog.at_level(logging.WARNING, logger="worker.client"), _client(cluster) as client:
             _train(client, _big_model())
-            assert set(client._streams_until) == {0} and client._bells[0] is None
+            assert set(client._on_grpc) == {0} and client._bells[0] is None
             assert isinstance(client._bells[1], DoorbellClient)
     warnings = [r.getMessage() for r in caplog.records if r.name == "worker.client" and r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
@@ -552,21 +552,43 @@ def test_a_worker_on_grpc_tries_the_data_socket_again_and_leaves_grpc_once_it_is
         with caplog.at_level(logging.DEBUG, logger="worker.client"), _client(cluster) as client:
             client.register(model)
             client.push_pull(_like(model, 1))
-            assert set(client._streams_until) == {0} and client._bells[0] is None
+            assert set(client._on_grpc) == {0} and client._bells[0] is None
             time.sleep(0.6)  # past the first wait: the next step tries again, fails, and waits twice as long
             client.push_pull(_like(model, 2))
-            assert client._bells[0] is None and client._retry_after[0] >= 2.0
+            assert client._bells[0] is None and client._on_grpc[0].wait >= 2.0
             servicer.data_port = port  # the port is open now: the next try, once the wait is over, reaches it
             client.push_pull(_like(model, 3))
             assert client._bells[0] is None, "tried again before its wait was over"
-            time.sleep(max(0.0, client._streams_until[0] - time.monotonic()) + 0.05)
+            time.sleep(max(0.0, client._on_grpc[0].until - time.monotonic()) + 0.05)
             assert client.push_pull(_like(model, 4)) == 4
-            assert _on_data_socket(client) and not client._retry_after
+            assert _on_data_socket(client)
             assert client.pull(model) == 4
     records = [r for r in caplog.records if r.name == "worker.client"]
     warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "cannot be reached" in warned[0], warned  # told once, not at every try
     assert any(r.levelno == logging.INFO and "leaving gRPC" in r.getMessage() for r in records)
+
+
+def test_a_worker_on_grpc_tries_the_data_socket_at_once_when_a_restarted_shard_forgot_it(
+    ps_cluster_factory: Callable[..., LocalCluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(client_module, "RETRY_LINK_S", 600.0)  # no timed retry within the test
+    cluster = ps_cluster_factory(_config(), shards=2)
+    servicer = cluster.servers[0].servicer
+    port = servicer.data_port
+    model = _big_model()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as blocker:  # bound, never listening: refused
+        blocker.bind(("127.0.0.1", 0))
+        servicer.data_port = blocker.getsockname()[1]
+        with _client(cluster) as client:
+            client.register(model)
+            assert client.push_pull(_like(model, 1)) == 1
+            assert set(client._on_grpc) == {0}
+            servicer.data_port = port
+            # What a restarted shard does: it no longer knows the worker, which joins again on its next call.
+            cluster.shards[0].leave(client.worker_id)
+            assert client.push_pull(_like(model, 2)) == 2
+            assert _on_data_socket(client), "the worker waited out its retry after re-joining a restarted shard"
 
 
 def _cut(server: ShardServer) -> int:

@@ -399,7 +399,7 @@ def test_shared_memory_data_socket_and_streams_train_to_bit_identical_weights(
     ):
         runs = [_train(a, _big_model()), _train(b, _big_model()), _train(c, _big_model())]
         assert _uses_shm(a), "the shared-memory client never attached a segment or doorbell to every shard"
-        assert not a._streams_until
+        assert not a._on_grpc
         assert _uses_streams(b) and b.shared_memory is False
         assert all(isinstance(x, DoorbellClient) for x in c._bells) and c._segments == [None, None]
         # The shards know the shm client's segments (the very ones it created), the streams client has none.
@@ -445,7 +445,7 @@ def test_shard_with_shared_memory_disabled_gets_streams_and_no_segment_stays(
         client.pull(model)
         g = _clone(grads[1])
         assert client.push_pull(g) == 2
-        assert set(client._streams_until) == {0, 1}
+        assert set(client._on_grpc) == {0, 1}
         assert _uses_streams(client)
         assert _eventually(lambda: _fds() == before), "a refused segment's memfd is still open"
         assert _eventually(lambda: _mapped() == mapped), "a refused segment is still mapped"

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -121,6 +121,17 @@ class _RawStreams:
         self.pull = channel.unary_stream(
             _SERVICE + "Pull", request_serializer=ps_pb2.PullRequest.SerializeToString, response_deserializer=None
         )
+
+
+@dataclass
+class _OnGrpc:
+    """A shard this worker exchanges tensors with over gRPC for now: when it tries shared memory and the data
+    socket again, how long it waits after that try should it fail too, and why it fell back, as the user was told
+    (once per cause, not at every try)."""
+
+    until: float = 0.0
+    wait: float = field(default_factory=lambda: RETRY_LINK_S)  # read when a shard falls back, not at import
+    told: str = ""
 
 
 @dataclass
@@ -257,15 +268,12 @@ class PSClient:
         self._pool = futures.ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps-client")
         # Per shard: the attached shared-memory segment (one per worker and shard: the shard holds one model) and
         # its doorbell connection, or the data-socket connection; the model digest they are for; the shards that
-        # cannot share memory; those that take only gRPC for now (until when), and those the user was told so of
-        # (once, not at every retry).
+        # cannot share memory; those that take only gRPC for now.
         self._segments: list[shm.Segment | None] = [None] * len(self.addresses)
         self._segment_digest = [""] * len(self.addresses)
         self._bells: list[DoorbellClient | None] = [None] * len(self.addresses)
         self._no_shm: set[int] = set()
-        self._streams_until: dict[int, float] = {}
-        self._retry_after: dict[int, float] = {}  # the next wait before trying again, per shard on gRPC
-        self._fell_back: dict[int, str] = {}  # shard -> why it is on gRPC, as last told
+        self._on_grpc: dict[int, _OnGrpc] = {}
         self.versions = [0] * len(self.addresses)  # what each shard's last pull returned
         self._min_next = [0] * len(self.addresses)  # the version a pull must wait for after a push
         self._incarnation = [""] * len(self.addresses)  # which run of each shard those versions belong to
@@ -336,9 +344,9 @@ class PSClient:
         except grpc.RpcError as err:
             raise from_rpc_error(err, self.addresses[k]) from None
         self._min_next[k] = 0
-        # A restarted shard may serve now what it did not: try at once.
-        self._streams_until.pop(k, None)
-        self._retry_after.pop(k, None)
+        fallback = self._on_grpc.get(k)
+        if fallback is not None:  # a restarted shard may serve now what it did not: try at once
+            fallback.until, fallback.wait = 0.0, RETRY_LINK_S
         log.warning(
             "worker %s re-joined shard %s (it had been evicted or the shard restarted)",
             self.worker_id[:8],
@@ -640,7 +648,8 @@ class PSClient:
         a data-socket connection; None: use gRPC."""
         if not self._joined:
             return None  # an attachment belongs to a joined worker: a reader that did not join uses gRPC
-        if self._streams_until.get(k, 0.0) > time.monotonic():
+        fallback = self._on_grpc.get(k)
+        if fallback is not None and fallback.until > time.monotonic():
             return None
         if self._segment_digest[k] == b.placement.digest and (self._segments[k] or self._bells[k]) is not None:
             return self._segments[k] or self._bells[k]
@@ -651,13 +660,15 @@ class PSClient:
         if link is None and self.data_socket:
             link = self._attach_socket(b, k)
         if link is None:
-            wait = self._retry_after.get(k, RETRY_LINK_S)
-            self._streams_until[k] = time.monotonic() + wait
-            self._retry_after[k] = min(2 * wait, RETRY_LINK_MAX_S)
-        else:
-            self._streams_until.pop(k, None)
-            self._retry_after.pop(k, None)
-            self._segment_digest[k] = b.placement.digest
+            fallback = self._on_grpc.setdefault(k, _OnGrpc())
+            fallback.until = time.monotonic() + fallback.wait
+            fallback.wait = min(2 * fallback.wait, RETRY_LINK_MAX_S)
+            return None
+        self._segment_digest[k] = b.placement.digest
+        fallback = self._on_grpc.pop(k, None)
+        if fallback is not None and fallback.told:
+            way = "data socket" if isinstance(link, DoorbellClient) else "shared memory"
+            log.info("shard %s: %s attached: leaving gRPC", self.addresses[k], way)
         return link
 
     def _attach_segment(self, b: _Binding, k: int) -> shm.Segment | None:
@@ -700,8 +711,9 @@ class PSClient:
         try:
             reply = self._on_shard(k, lambda: self._stubs[k].Attach(req, timeout=self.timeout))
         except (DataSocketUnavailable, SharedMemoryUnavailable) as exc:  # the latter: a shard that predates it
-            level = logging.DEBUG if self._fell_back.get(k) == "none" else logging.INFO
-            self._fell_back[k] = "none"
+            fallback = self._on_grpc.setdefault(k, _OnGrpc())
+            level = logging.DEBUG if fallback.told == "none" else logging.INFO
+            fallback.told = "none"
             log.log(level, "shard %s offers no data socket (%s): using gRPC", self.addresses[k], exc)
             return None
         where = (split_host(self.addresses[k]), int(reply.data_port))
@@ -710,8 +722,9 @@ class PSClient:
                 where, req, self.addresses[k], min(self.timeout, CONNECT_S), self._tls, self._tls_server_name
             )
         except (OSError, ConnectionError, PSError) as exc:
-            if self._fell_back.get(k) != "unreachable":
-                self._fell_back[k] = "unreachable"
+            fallback = self._on_grpc.setdefault(k, _OnGrpc())
+            if fallback.told != "unreachable":
+                fallback.told = "unreachable"
                 log.warning(
                     "shard %s: its data socket at %s:%d cannot be reached (%s); using gRPC (slower) and trying "
                     "again from time to time: open that port where the gRPC port is open",
@@ -722,8 +735,6 @@ class PSClient:
             else:
                 log.debug("shard %s: data socket at %s:%d still unreachable (%s)", self.addresses[k], *where, exc)
             return None
-        if self._fell_back.pop(k, None) is not None:
-            log.info("shard %s: data socket at %s:%d reached: leaving gRPC", self.addresses[k], *where)
         self._bells[k] = bell
         return bell
 
