@@ -104,7 +104,7 @@ def send_arrays(sock: socket.socket, arrays: Sequence[np.ndarray], dtype: int) -
     """Send float32 arrays as a payload in `dtype`: float32 as views of the arrays themselves, half types encoded
     a chunk at a time."""
     chunk = _SEND_CHUNK if dtype == FLOAT32 else CHUNK_BYTES
-    for _, _, data in iter_chunks(arrays, dtype, chunk):
+    for _, _, data in iter_chunks(arrays, dtype, chunk, reuse=True):
         sock.sendall(data)
 
 

@@ -180,7 +180,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 )
                 yield ps_pb2.PullMessage(header=header).SerializeToString()
                 sent = 0
-                for piece, offset, data in iter_chunks(model.views(flat), dtype):
+                for piece, offset, data in iter_chunks(model.views(flat), dtype, reuse=True):
                     sent += len(data)
                     yield codec.encode_chunk(piece, offset, data)
             self.shard.metrics.pulls.inc()
@@ -333,7 +333,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise MalformedStream("an Exchange without push carries no gradient chunks")
         if request.pull:
             with self._pulling(request, reply, timeout) as (held, flat):
-                for piece, offset, data in iter_chunks(held.views(flat), dtype):
+                for piece, offset, data in iter_chunks(held.views(flat), dtype, reuse=True):
                     reply.chunks.add(piece=piece, offset=offset, data=bytes(data))
             self.shard.metrics.bytes_out.inc(reply.ByteSize())
         return reply

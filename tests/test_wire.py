@@ -19,6 +19,7 @@ from paramserver.wire import (
     ChunkReceiver,
     decode_into,
     encode,
+    encode_view,
     is_finite,
     itemsize,
     iter_chunks,
@@ -286,11 +287,15 @@ def test_is_finite_finds_one_bad_element_anywhere() -> None:
     sizes=st.lists(st.integers(0, 60), min_size=1, max_size=6),
     dtype=st.sampled_from(DTYPES),
     chunk_bytes=st.integers(4, 64),
+    reuse=st.booleans(),
 )
-def test_iter_chunks_covers_every_element_once_in_order(sizes: list[int], dtype: int, chunk_bytes: int) -> None:
+def test_iter_chunks_covers_every_element_once_in_order(
+    sizes: list[int], dtype: int, chunk_bytes: int, reuse: bool
+) -> None:
     rng = _rng(sum(sizes) + chunk_bytes)
     sources = [_exact_values(rng, n) for n in sizes]
-    chunks = list(iter_chunks(sources, dtype, chunk_bytes))
+    # With `reuse` each chunk is valid only until the next: copy each as it comes.
+    chunks = [(p, o, bytes(d)) for p, o, d in iter_chunks(sources, dtype, chunk_bytes, reuse=reuse)]
 
     step = chunk_bytes // itemsize(dtype)
     seen = [np.zeros(0, dtype=np.float32) for _ in sizes]
@@ -308,6 +313,16 @@ def test_iter_chunks_covers_every_element_once_in_order(sizes: list[int], dtype:
         last = (piece, offset + n)
     for src, got in zip(sources, seen, strict=True):
         assert np.array_equal(got, src)
+
+
+@pytest.mark.parametrize("dtype", [BFLOAT16, FLOAT16])
+def test_encode_view_into_a_given_buffer_writes_there_what_encode_returns(dtype: int) -> None:
+    values = _rng(7).standard_normal(1000).astype(np.float32)
+    out = np.full(4096, 0xAB, dtype=np.uint8)
+    view = encode_view(values[100:400], dtype, out)
+    assert bytes(view) == encode(values[100:400], dtype)
+    assert np.shares_memory(np.frombuffer(view, dtype=np.uint8), out)
+    assert (out[600:] == 0xAB).all(), "only the wire size of `out` is written"
 
 
 def test_iter_chunks_makes_one_element_chunks_when_chunk_bytes_is_below_an_element() -> None:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from paramserver import codec, shm
-from paramserver.doorbell import DoorbellClient, payload_bytes, split_host
+from paramserver.doorbell import DoorbellClient, split_host
 from paramserver.errors import (
     AlreadyInitialized,
     DataSocketUnavailable,
@@ -549,15 +549,16 @@ class PSClient:
                 raise self._lost(k, exc) from None
             return self._answered(b, k, reply, base, grads is not None, flats is not None)
 
-        if payload_bytes(sent, self.dtype) <= INLINE_BYTES:
-            send()  # a small gradient fits the socket buffers: ring every shard from this thread, then collect
+        if b.placement.shard_elements(k) * itemsize(self.dtype) <= INLINE_BYTES:
+            send()  # a small part fits the socket buffers: ring every shard from this thread, then collect
             return finish
 
         def exchange() -> int:
             send()
             return finish()
 
-        # A large one: the whole exchange in one thread per shard (shard 0 in the caller's), so transfers overlap.
+        # A large part, pushed or pulled: the whole exchange in one thread per shard (shard 0 in the caller's), so
+        # the transfers overlap; collected in one thread, shard 1's weights would wait in its socket for shard 0's.
         return exchange if k == 0 else self._pool.submit(exchange).result
 
     def _answered(
@@ -601,7 +602,7 @@ class PSClient:
         req = self._exchange_request(b, k, grads is not None, step, flats is not None)
         req.inline, req.dtype = True, self.dtype
         if grads is not None:
-            for piece, offset, data in iter_chunks(b.views(k, grads), self.dtype):
+            for piece, offset, data in iter_chunks(b.views(k, grads), self.dtype, reuse=True):
                 req.chunks.add(piece=piece, offset=offset, data=bytes(data))
 
         def finish() -> int:
@@ -785,7 +786,7 @@ class PSClient:
 
         def messages() -> Iterator[bytes]:
             yield ps_pb2.PushMessage(header=header).SerializeToString()
-            for piece, offset, data in iter_chunks(b.views(k, grads), dtype, self.chunk_bytes):
+            for piece, offset, data in iter_chunks(b.views(k, grads), dtype, self.chunk_bytes, reuse=True):
                 yield codec.encode_chunk(piece, offset, data)
 
         reply = self._raw[k].push(messages(), timeout=self.timeout)
