@@ -144,7 +144,9 @@ class ServerConfig:
         "the cores, where two OpenMP threads stall each other for milliseconds",
     )
     max_concurrent_pushes: int = config_field(
-        2, "pushes received at once per shard (each needs one gradient-sized buffer; more wait)"
+        2,
+        "gradient-sized scratch buffers per shard: one per push being received at once (more wait), the open sync "
+        "round's sum among them",
     )
 
     def __post_init__(self) -> None:

@@ -31,8 +31,11 @@ class Applier(Protocol):
     ) -> None:
         """Run one optimizer step with this flat gradient and bump the version (with what to record about it)."""
 
-    def keep_scratch(self, grad: torch.Tensor, instead: torch.Tensor) -> None:
-        """Keep `grad`, a lent scratch buffer, for good; `instead` (the same size) goes back in its place."""
+    def keep_scratch(self, grad: torch.Tensor) -> bool:
+        """Keep `grad`, a lent scratch buffer, until `release_scratch`; False: it may not, and must copy it."""
+
+    def release_scratch(self, grad: torch.Tensor) -> None:
+        """Give back a buffer kept through `keep_scratch`."""
 
 
 class Policy(Protocol):
@@ -41,7 +44,8 @@ class Policy(Protocol):
 
     def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor, lent: bool = False) -> None:
         """Take one worker's gradient computed on `base_version`; apply now or later. `lent`: `grad` is a scratch
-        buffer the policy may keep, through `shard.keep_scratch`, instead of copying it."""
+        buffer the policy may keep, through `shard.keep_scratch`, instead of copying it (and must then give back
+        through `shard.release_scratch` once done with it)."""
 
     def membership_changed(self, shard: Applier) -> None:
         """React to a worker joining or leaving."""
@@ -67,19 +71,24 @@ class SyncPolicy:
     """Bulk-synchronous: one in-place sum per round; the mean applies once every live worker has pushed.
 
     With `backup_workers` B, a round applies once all live workers but B have pushed; pushes for a closed round
-    are refused. Memory is one gradient-sized buffer whatever the number of workers; a round's first gradient
-    received into a scratch buffer becomes that buffer (the old one returns to the scratch pool), with no copy.
+    are refused. Memory is one gradient-sized buffer whatever the number of workers: a round's first gradient
+    received into a scratch buffer becomes the sum as it is (no copy) and goes back to the scratch pool once the
+    round applies, so between rounds the shard holds no sum; one that arrived in place (shared memory) is copied
+    into a buffer of the policy's own.
     """
 
     def __init__(self, backup_workers: int = 0) -> None:
         self.backup_workers = backup_workers
-        self._sum: torch.Tensor | None = None
+        self._numel = 0
+        self._sum: torch.Tensor | None = None  # the open round's sum: `_own`, or a kept scratch buffer
+        self._own: torch.Tensor | None = None  # allocated on first use: network pushes may never need it
         self._contributors: set[str] = set()
         self._last: str | None = None  # the latest contributor: the round's straggler when it closes
         self._opened = 0.0  # when the round's first gradient arrived
 
     def reset(self, numel: int) -> None:
-        self._sum = torch.empty(numel, dtype=torch.float32)
+        self._numel = numel
+        self._sum = self._own = None  # a kept buffer belonged to the scratch pool of the model replaced
         self._contributors = set()
 
     def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor, lent: bool = False) -> None:
@@ -93,19 +102,21 @@ class SyncPolicy:
                 f"worker {worker_id!r} already pushed for round {base_version}; pull version "
                 f"{base_version + 1} before pushing again"
             )
-        assert self._sum is not None, "reset() before submit()"
         if not self._contributors and self._complete(shard, {worker_id}):
             # A round of this one gradient (one live worker): apply it as it is, sparing a copy into the sum.
             self._last = worker_id
             shard.apply(grad, straggler=worker_id, waited=0.0)
             return
         if self._contributors:
+            assert self._sum is not None
             self._sum.add_(grad)
         else:
-            if lent:  # the round's first gradient, in a scratch buffer: it becomes the sum, sparing a copy
-                shard.keep_scratch(grad, self._sum)
+            if lent and shard.keep_scratch(grad):  # in a scratch buffer: it becomes the sum, sparing a copy
                 self._sum = grad
             else:
+                if self._own is None:
+                    self._own = torch.empty(self._numel, dtype=torch.float32)
+                self._sum = self._own
                 self._sum.copy_(grad)
             self._opened = time.monotonic()
         self._contributors.add(worker_id)
@@ -148,11 +159,16 @@ class SyncPolicy:
     def _close_if_complete(self, shard: Applier) -> None:
         if not self._contributors or not self._complete(shard, self._contributors):
             return
-        assert self._sum is not None
+        total, self._sum = self._sum, None
+        assert total is not None
         if len(self._contributors) > 1:  # the mean of one gradient is itself: spare a pass over the buffer
-            self._sum.div_(len(self._contributors))
+            total.div_(len(self._contributors))
         self._contributors = set()
-        shard.apply(self._sum, straggler=self._last, waited=time.monotonic() - self._opened)
+        try:
+            shard.apply(total, straggler=self._last, waited=time.monotonic() - self._opened)
+        finally:
+            if total is not self._own:
+                shard.release_scratch(total)
 
 
 class AsyncPolicy:

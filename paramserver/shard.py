@@ -130,14 +130,16 @@ class BufferPool:
     """At most `size` gradient-sized scratch buffers, reused; a caller past the bound waits for one.
 
     Last in, first out: one worker at a time keeps reusing one warm buffer, and the others are only ever allocated
-    (and paged in) when pushes really overlap. A borrower may `trade` the buffer it holds for another of the same
-    size, which then goes back to the pool in its place.
+    (and paged in) when pushes really overlap. A borrower may `keep` the buffer it holds past its loan (a round's
+    sum): it stays out of the pool, its slot taken, until `give_back`.
     """
 
     def __init__(self, size: int, numel: int) -> None:
+        self.size = size
         self._numel = numel
         self._free: queue.LifoQueue[np.ndarray | None] = queue.LifoQueue()
-        self._traded: dict[int, np.ndarray] = {}  # address of a lent buffer -> what comes back instead
+        self._kept: set[int] = set()  # addresses of buffers on loan that stay out when their loan ends
+        self._lock = threading.Lock()
         for _ in range(size):
             self._free.put(None)  # allocated on first use: an idle shard holds no scratch memory
 
@@ -149,13 +151,26 @@ class BufferPool:
         try:
             yield buf
         finally:
-            self._free.put(self._traded.pop(buf.ctypes.data, buf))
+            with self._lock:
+                kept = buf.ctypes.data in self._kept
+                self._kept.discard(buf.ctypes.data)
+            if not kept:
+                self._free.put(buf)
 
-    def trade(self, lent: np.ndarray, instead: np.ndarray) -> None:
-        """Keep the lent buffer `lent`: `instead` (gradient-sized float32) returns to the pool when its loan ends."""
-        if instead.shape != (self._numel,) or instead.dtype != np.float32:
-            raise ValueError(f"a pool of {self._numel} float32 takes no {instead.dtype} buffer of {instead.shape}")
-        self._traded[lent.ctypes.data] = instead
+    def keep(self, lent: np.ndarray) -> None:
+        """Keep the buffer `lent` (on loan) when its loan ends; its slot stays taken until `give_back`."""
+        with self._lock:
+            self._kept.add(lent.ctypes.data)
+
+    def give_back(self, kept: np.ndarray) -> None:
+        """Return a buffer kept past its loan (or, if its loan has not ended yet, let the loan's end return it)."""
+        if kept.shape != (self._numel,) or kept.dtype != np.float32:
+            raise ValueError(f"a pool of {self._numel} float32 takes no {kept.dtype} buffer of {kept.shape}")
+        with self._lock:
+            on_loan = kept.ctypes.data in self._kept
+            self._kept.discard(kept.ctypes.data)
+        if not on_loan:
+            self._free.put(kept)
 
 
 class Shard:
@@ -424,11 +439,20 @@ class Shard:
             self.metrics.pushed("applied")
             return self.version, True
 
-    def keep_scratch(self, grad: torch.Tensor, instead: torch.Tensor) -> None:
-        """Let the policy keep the scratch buffer a push was received into (as a round's sum: no copy); `instead`
-        goes back to the pool in its place."""
+    def keep_scratch(self, grad: torch.Tensor) -> bool:
+        """Let the policy keep the scratch buffer a push was received into (as a round's sum: no copy) until it
+        calls `release_scratch`; False where that would leave no buffer for the round's other pushes (a pool of
+        one), and the policy must copy instead."""
         assert self._pool is not None
-        self._pool.trade(grad.numpy(), instead.numpy())
+        if self._pool.size < 2:
+            return False
+        self._pool.keep(grad.numpy())
+        return True
+
+    def release_scratch(self, grad: torch.Tensor) -> None:
+        """Give a buffer kept through `keep_scratch` back to the scratch pool."""
+        assert self._pool is not None
+        self._pool.give_back(grad.numpy())
 
     def apply(
         self,

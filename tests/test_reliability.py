@@ -7,6 +7,7 @@ with lr=1, so every expected weight is exact in float32 and compared with `torch
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -22,7 +23,7 @@ from paramserver.cluster import LocalCluster
 from paramserver.config import ServerConfig
 from paramserver.errors import ERROR_KEY, InvalidArgument, StaleRound, UnknownWorker
 from paramserver.placement import TensorSpec, place
-from paramserver.shard import Shard
+from paramserver.shard import BufferPool, Shard
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from worker.client import PSClient
 
@@ -238,19 +239,34 @@ SHARD_SPECS = (TensorSpec("w", (4,)),)
 SHARD_DIGEST = place(SHARD_SPECS, 1).digest
 
 
-@pytest.fixture
-def sync_shard() -> Iterator[Shard]:
-    """A one-shard sync job of 2 workers, SGD lr=1, weights [1, 2, 3, 4], both workers joined (A rank 0)."""
-    shard = Shard(ServerConfig(mode="sync", workers=2, optimizer="sgd", lr=1.0, lease_timeout=10.0), 0, ("local:0",))
+@contextlib.contextmanager
+def _sync_job(workers: Sequence[str] = ("A", "B"), max_concurrent_pushes: int = 2) -> Iterator[Shard]:
+    """A one-shard sync job of these workers, SGD lr=1, weights [1, 2, 3, 4], every worker joined in order."""
+    config = ServerConfig(
+        mode="sync",
+        workers=len(workers),
+        optimizer="sgd",
+        lr=1.0,
+        lease_timeout=10.0,
+        max_concurrent_pushes=max_concurrent_pushes,
+    )
+    shard = Shard(config, 0, ("local:0",))
     try:
         model = shard.prepare_init(SHARD_SPECS, 1, SHARD_DIGEST)
         model.params.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
         shard.commit_init(model)
-        assert shard.join("A", "") == (0, 0)
-        assert shard.join("B", "") == (1, 0)
+        for rank, worker_id in enumerate(workers):
+            assert shard.join(worker_id, "") == (rank, 0)
         yield shard
     finally:
         shard.close()
+
+
+@pytest.fixture
+def sync_shard() -> Iterator[Shard]:
+    """A one-shard sync job of 2 workers, SGD lr=1, weights [1, 2, 3, 4], both workers joined (A rank 0)."""
+    with _sync_job() as shard:
+        yield shard
 
 
 def _grad(*sixteenths: float) -> np.ndarray:
@@ -324,6 +340,69 @@ def test_a_rounds_first_gradient_in_a_scratch_buffer_becomes_the_sum_and_buffers
         assert second != first, "the second gradient was received into the round's sum"
         weights -= (torch.from_numpy(_grad(*a)) + torch.from_numpy(_grad(*b))) / 2
         assert torch.equal(shard.model.params, weights)
+
+
+def _blocks(take: Callable[[], object], seconds: float = 0.3) -> threading.Thread:
+    """Start `take` in a thread; return the thread, asserting that it is still waiting after `seconds`."""
+    thread = threading.Thread(target=take, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert thread.is_alive(), "a scratch buffer was lent past the pool's bound"
+    return thread
+
+
+def test_a_shard_holds_at_most_its_scratch_pool_with_the_rounds_sum_among_it() -> None:
+    with _sync_job(("A", "B", "C")) as shard:
+        weights = torch.tensor([1.0, 2.0, 3.0, 4.0])
+        for round_ in range(2):
+            assert _push_lent(shard, "A", round_ + 1, round_, _grad(3, 3, 3, 3))[0] == (round_, True)
+            # The sum holds one of the 2 buffers: one push at a time may land in the other.
+            with shard.scratch() as landing:
+                landed = threading.Event()
+
+                def second_landing(landed: threading.Event = landed) -> None:
+                    with shard.scratch():
+                        landed.set()
+
+                waiter = _blocks(second_landing)
+                landing[:] = _grad(6, 6, 6, 6)
+                assert shard.push("B", round_ + 1, round_, landing, SHARD_DIGEST, lent=True) == (round_, True)
+            waiter.join(5)
+            assert landed.is_set(), "the landing buffer did not go back to the pool"
+            assert _push_lent(shard, "C", round_ + 1, round_, _grad(9, 9, 9, 9))[0] == (round_ + 1, True)
+            weights -= 6 * SIXTEENTH
+            assert torch.equal(shard.model.params, weights)
+            # The round applied: its sum went back, and both buffers may be lent at once again.
+            with shard.scratch() as one, shard.scratch() as two:
+                assert one.ctypes.data != two.ctypes.data
+
+
+def test_a_pool_of_one_buffer_copies_the_first_gradient_and_never_waits_on_itself() -> None:
+    with _sync_job(max_concurrent_pushes=1) as shard:
+        done = threading.Event()
+
+        def round_of_two() -> None:
+            assert _push_lent(shard, "A", 1, 0, _grad(2, 2, 2, 2))[0] == (0, True)
+            assert _push_lent(shard, "B", 1, 0, _grad(4, 4, 4, 4))[0] == (1, True)
+            done.set()
+
+        thread = threading.Thread(target=round_of_two, daemon=True)
+        thread.start()
+        thread.join(5)
+        assert done.is_set(), "the second push waited for the buffer that the round's sum holds"
+        assert torch.equal(shard.model.params, torch.tensor([1.0, 2.0, 3.0, 4.0]) - 3 * SIXTEENTH)
+
+
+def test_a_kept_buffer_given_back_while_still_on_loan_returns_once_when_the_loan_ends() -> None:
+    pool = BufferPool(2, 4)
+    with pool.take() as first:
+        pool.keep(first)
+        pool.give_back(first)  # the round closed (in another thread) before this loan ended
+        with pool.take() as second:
+            assert second.ctypes.data != first.ctypes.data, "a buffer still on loan was lent again"
+    with pool.take() as a, pool.take() as b:
+        assert {a.ctypes.data, b.ctypes.data} == {first.ctypes.data, second.ctypes.data}
+        _blocks(lambda: pool.take().__enter__())
 
 
 def test_tick_keeps_workers_within_their_lease(sync_shard: Shard) -> None:
