@@ -234,7 +234,8 @@ def _training(ix: _Index) -> list[str]:
             "## Training (2 shard processes, Adam lr 1e-3 on the shards; batch 32 per worker; 1 torch thread)",
             "",
             "samples/s is the sum over the workers. Local: the same model, data pipeline and batch size in one "
-            "process with torch.optim.Adam. The 25 M-parameter MLP trains on synthetic data (64 features).",
+            "process with torch.optim.Adam (its fused kernel, as on the shards). The 25 M-parameter MLP trains on "
+            "synthetic data (64 features).",
             "",
             *_table(header, rows),
             "",

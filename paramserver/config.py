@@ -83,7 +83,7 @@ class ServerConfig:
         "workers in the job: a sync round waits for this many (fewer once some have left), "
         "and the data is split this many ways",
     )
-    optimizer: str = config_field("adam", "server-side optimizer (torch.optim)", choices=OPTIMIZERS)
+    optimizer: str = config_field("adam", "server-side optimizer (torch.optim, fused kernel)", choices=OPTIMIZERS)
     lr: float = config_field(1e-3, "learning rate")
     momentum: float = config_field(0.9, "momentum of the 'momentum' optimizer")
     weight_decay: float = config_field(0.0, "weight decay (decoupled for adamw)")

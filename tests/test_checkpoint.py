@@ -545,6 +545,53 @@ def test_shard_restore_adopts_a_matching_checkpoint(tmp_path: Path) -> None:
         shard.close()
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "adagrad", "momentum"])
+def test_a_checkpoint_of_an_unfused_optimizer_resumes_on_the_fused_kernel(tmp_path: Path, optimizer: str) -> None:
+    """A checkpoint written before the shards ran torch's fused kernels (its param_groups say fused=None) resumes
+    fused, and its next step is the one the unfused optimizer would have taken, to a float32 rounding."""
+    config = ServerConfig(mode="async", optimizer=optimizer, lr=0.1, checkpoint_dir=str(tmp_path))
+    placement = place(SPECS, 2)
+    gen = torch.Generator().manual_seed(1)
+    old = Shard(config, 0, ADDRESSES)
+    try:
+        model = old.prepare_init(SPECS, 2, placement.digest)
+        model.params.copy_(torch.randn(model.numel, generator=gen))
+        # What an earlier release built: torch's per-operation implementation.
+        model.optimizer = make_optimizer(config, model.params)
+        for group in model.optimizer.param_groups:
+            group["fused"] = None
+        old.commit_init(model)
+        old.join("w", "")
+        for step in (1, 2):
+            grad = torch.randn(model.numel, generator=gen).numpy()
+            assert old.push("w", step, step - 1, grad, placement.digest) == (step, True)
+        snap = old.snapshot()
+        assert all(g["fused"] is None for g in snap.optimizer_state["param_groups"])
+        checkpoint.save(tmp_path, snap)
+    finally:
+        old.close()
+    # The step the unfused optimizer takes next from the saved state.
+    grad = torch.randn(model.numel, generator=gen)
+    want = snap.params.clone()
+    reference = make_optimizer(config, want)
+    reference.load_state_dict(snap.optimizer_state)
+    assert all(g["fused"] is None for g in reference.param_groups)
+    want.grad = grad.clone()
+    reference.step()
+    shard = Shard(config, 0, ADDRESSES)
+    try:
+        assert shard.restore() is True
+        resumed = shard.require_model()
+        assert all(g["fused"] is True for g in resumed.optimizer.param_groups)
+        before = resumed.params.clone()
+        shard.join("w", "")
+        assert shard.push("w", 3, 2, grad.numpy(), placement.digest) == (3, True)
+        assert not torch.equal(resumed.params, before), "the step moved nothing"
+        torch.testing.assert_close(resumed.params, want, rtol=1e-6, atol=1e-7)
+    finally:
+        shard.close()
+
+
 def test_finished_workers_are_saved_at_once_and_counted_after_a_restart(tmp_path: Path) -> None:
     config = ServerConfig(mode="sync", workers=2, optimizer="sgd", lr=0.1, checkpoint_dir=str(tmp_path))
     placement = place(SPECS, 2)

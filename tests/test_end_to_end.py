@@ -92,7 +92,7 @@ def test_sync_two_workers_equal_local_training_on_the_combined_batch(ps_cluster_
         template = make_optimizer(config, torch.zeros(1))
         opt = type(template)(
             model.parameters(),
-            **{k: v for k, v in template.defaults.items() if k in ("lr", "momentum", "weight_decay")},
+            **{k: v for k, v in template.defaults.items() if k in ("lr", "momentum", "weight_decay", "fused")},
         )
         for x, y in data:
             opt.zero_grad()
