@@ -14,6 +14,7 @@ from paramserver import heap
 from paramserver.cluster import PORT_LINE, READY_LINE, LocalCluster
 from paramserver.config import ServerConfig, add_arguments, from_arguments
 from paramserver.server import ShardServer
+from paramserver.shard import warm_up_optimizer
 
 log = logging.getLogger("paramserver")
 
@@ -113,10 +114,14 @@ def run_one_shard(args: argparse.Namespace, config: ServerConfig) -> int:
             raise SystemExit(f"ps-server: --shard-index {index} is outside the {len(peers)} --peers")
         port = args.port if args.port is not None else int(peers[index].rsplit(":", 1)[1])
     stop = _wait_for_signal()
+    # While the server is built and the peers are learnt: serve only once warm, so that no Init waits for it.
+    warm = threading.Thread(target=warm_up_optimizer, args=(config,), name="optimizer-warm-up", daemon=True)
+    warm.start()
     server = ShardServer.create(config, index, args.host, port)
     if args.peers_from_stdin:
         print(f"{PORT_LINE} {server.port}", flush=True)
         peers = sys.stdin.readline().strip().split(",")
+    warm.join()
     try:
         server.start(peers)
     except ValueError as exc:  # e.g. a checkpoint of another job in --checkpoint-dir

@@ -69,6 +69,12 @@ def make_optimizer(config: ServerConfig, params: torch.Tensor) -> torch.optim.Op
     raise ValueError(f"unknown optimizer {config.optimizer!r}")
 
 
+def warm_up_optimizer(config: ServerConfig) -> None:
+    """Build one throwaway optimizer: torch's first in a process imports torch._dynamo (0.8 s on 2 cores), which
+    would otherwise land in the first Init, and so in every worker's registration."""
+    make_optimizer(config, torch.zeros(1))
+
+
 def piece_label(piece: Piece, specs: dict[str, TensorSpec]) -> str:
     """Name a piece for error messages: the tensor, and the range when it is a slice."""
     if piece.start == 0 and piece.length == specs[piece.name].numel:

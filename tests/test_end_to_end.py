@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from paramserver import LocalCluster, ServerConfig
+from paramserver.cluster import PORT_LINE, READY_LINE
 from paramserver.placement import SLICE_ELEMENTS
 from paramserver.shard import make_optimizer
 from worker import PSClient
@@ -189,6 +190,35 @@ def test_shard_processes_train_and_stop(tmp_path):
             assert min(client.versions) == 30
         procs = cluster.procs
     assert [p.returncode for p in procs] == [0, 0], "SIGTERM must stop shards cleanly"
+
+
+def test_a_shard_process_serves_only_once_torchs_optimizer_code_is_imported(tmp_path):
+    """torch's first optimizer in a process imports torch._dynamo (most of a second on 2 cores): a shard process
+    does that before it serves, not in the first worker's Init, which every registering worker would wait for."""
+    stderr = (tmp_path / "stderr").open("w")  # a file, not a pipe: -X importtime writes more than a pipe holds
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", "paramserver.cli", "--shard-index", "0", "--peers-from-stdin"]
+        + ["--host", "127.0.0.1", "--port", "0", "--log-level", "INFO"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        port = next(line.split()[-1] for line in proc.stdout if line.startswith(PORT_LINE))
+        proc.stdin.write(f"127.0.0.1:{port}\n")
+        proc.stdin.flush()
+        assert any(line.startswith(READY_LINE) for line in proc.stdout)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        stderr.close()
+    lines = (tmp_path / "stderr").read_text().splitlines()
+    imported = [i for i, line in enumerate(lines) if line.rstrip().endswith("| torch._dynamo")]
+    serving = [i for i, line in enumerate(lines) if "serving on port" in line]
+    assert imported and serving, "\n".join(lines[-20:])
+    assert imported[0] < serving[0], "the shard served before torch's optimizer code was imported"
 
 
 def test_a_new_worker_resumes_from_the_servers_state(ps_cluster_factory):

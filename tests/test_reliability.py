@@ -167,6 +167,45 @@ def test_workers_registering_at_once_build_the_model_once(ps_cluster_factory: Ca
             client.close()
 
 
+def test_a_worker_kept_waiting_by_another_init_asks_again_soon_then_less_often(
+    ps_cluster_factory: Callable[..., LocalCluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While another worker's Init holds a shard, a registering worker asks again after 5 ms, then twice as long
+    each time up to 0.1 s (a small model's Init is over in milliseconds, and a sync job's first round waits for
+    its last worker to register); once the slot is free, it initialises the shard itself."""
+    import worker.client
+
+    cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="sgd", lr=1.0), shards=1)
+    waits: list[float] = []
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(worker.client.time, "sleep", sleep)
+    model = {"w": torch.arange(8, dtype=torch.float32)}
+    with PSClient(cluster.address, timeout=CALL_TIMEOUT) as client:
+        registered = threading.Event()
+
+        def register() -> None:
+            client.register(model)
+            registered.set()
+
+        with cluster.servers[0].shard.initialising():  # another worker's Init, as far as the shard can tell
+            thread = threading.Thread(target=register, daemon=True)
+            thread.start()
+            deadline = time.monotonic() + CALL_TIMEOUT
+            while len(waits) < 7 and time.monotonic() < deadline:
+                registered.wait(0.01)
+            assert not registered.is_set(), "registered while the shard's Init slot was held"
+        thread.join(CALL_TIMEOUT)
+        assert registered.is_set()
+        assert waits[:7] == pytest.approx([0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.1])
+        assert cluster.servers[0].shard.describe().initialized
+        assert torch.equal(model["w"], torch.arange(8, dtype=torch.float32))
+
+
 # -- nothing lost under load ----------------------------------------------------------------------------------------
 
 LOAD_THREADS = 16

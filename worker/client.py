@@ -81,7 +81,10 @@ _MODES = {ps_pb2.SYNC: "sync", ps_pb2.ASYNC: "async", ps_pb2.SSP: "ssp"}
 # A shard's part of the model up to this many wire bytes goes inline in one unary Exchange per step (a small model
 # on another host: one call, not two streams); larger parts are streamed in chunks.
 INLINE_BYTES = CHUNK_BYTES
-INIT_POLL_S = 0.1  # how often a worker asks again while another worker's Init of a shard runs
+# How soon a worker asks again while another worker's Init of a shard runs: soon at first (a small model's Init
+# takes milliseconds, and the round of a sync job waits for the last worker), then less often, down to the cap.
+INIT_POLL_FIRST_S = 0.005
+INIT_POLL_S = 0.1
 CONNECT_S = 5.0  # how long connecting to a data socket may take before the worker settles for gRPC
 # How long a worker that settled for gRPC with a shard (no data socket served or reached) keeps to it before it
 # tries again, doubling after each try that fails, up to the cap: a shard restarted at the wrong moment, or a port
@@ -830,7 +833,7 @@ class PSClient:
         segment. `failed`: fn already failed so once. Retrying a push is safe: the shard applies a (worker,
         step) once."""
         deadline = time.monotonic() + self.timeout
-        delay, recovered = 0.05, set[type[PSError]]()
+        delay, init_delay, recovered = 0.05, INIT_POLL_FIRST_S, set[type[PSError]]()
         while True:
             if failed is None:
                 try:
@@ -838,10 +841,11 @@ class PSClient:
                 except PSError as err:
                     failed = err
             exc, failed = failed, None
-            if isinstance(exc, InitInProgress) and time.monotonic() + INIT_POLL_S < deadline:
+            if isinstance(exc, InitInProgress) and time.monotonic() + init_delay < deadline:
                 # Not a fault: another worker is registering the same model; it is held once that ends.
                 log.debug("shard %s is being initialised by another worker; asking again", self.addresses[k])
-                time.sleep(INIT_POLL_S)
+                time.sleep(init_delay)
+                init_delay = min(2 * init_delay, INIT_POLL_S)
             elif exc.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline:
                 log.info("shard %s unavailable (%s); retrying in %.2f s", self.addresses[k], exc, delay)
                 time.sleep(delay)
