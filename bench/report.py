@@ -233,7 +233,8 @@ def _training(ix: _Index) -> list[str]:
         lines += [
             "## Training (2 shard processes, Adam lr 1e-3 on the shards; batch 32 per worker; 1 torch thread)",
             "",
-            "samples/s is the sum over the workers. Local: the same model, data pipeline and batch size in one "
+            "samples/s is the job's: every worker's samples over the span from the first worker's start to the "
+            "last one's end. Local: the same model, data pipeline and batch size in one "
             "process with torch.optim.Adam (its fused kernel, as on the shards). The 25 M-parameter MLP trains on "
             "synthetic data (64 features).",
             "",

@@ -67,6 +67,7 @@ def _ps_run(data: Any, params: dict[str, Any], msg: dict[str, Any]) -> dict[str,
     )
     metrics = train(config, dataset=data)
     keep = ("rank", "steps", "samples", "seconds", "samples_per_second", "test_accuracy", "final_loss", "mode")
+    keep += ("started_at", "finished_at")
     return {k: metrics[k] for k in keep}
 
 
@@ -157,10 +158,13 @@ class _Runs:
                 per_worker = [k.expect("result", TIMEOUT)["metrics"] for k in kids]
             finally:
                 self.procs.stop_soon(cluster)
+            # The job's throughput: every worker's samples over the span from the first start to the last end (a
+            # sum of per-worker rates would count a worker that ran alone for a while as if the others ran too).
+            span = max(m["finished_at"] for m in per_worker) - min(m["started_at"] for m in per_worker)
             runs.append(
                 {
-                    "samples_per_second": sum(m["samples_per_second"] for m in per_worker),
-                    "seconds": max(m["seconds"] for m in per_worker),
+                    "samples_per_second": sum(m["samples"] for m in per_worker) / span,
+                    "seconds": span,
                     "test_accuracy": sum(m["test_accuracy"] for m in per_worker) / len(per_worker),
                     "steps": max(m["steps"] for m in per_worker),
                     "per_worker": per_worker,

@@ -194,7 +194,7 @@ def train(
                 leave=True,
             )
         step, samples, stale, loss_value = 0, 0, 0, float("nan")
-        start = time.perf_counter()
+        started_at, start = time.time(), time.perf_counter()
         try:
             epoch = 0
             while step < total:
@@ -246,6 +246,9 @@ def train(
             "steps": step,
             "samples": samples,
             "seconds": round(seconds, 4),
+            # Unix times of the training loop, to line workers up (e.g. a job's samples over its whole span).
+            "started_at": started_at,
+            "finished_at": started_at + seconds,
             "samples_per_second": round(samples / seconds, 2) if seconds > 0 else 0.0,
             "final_loss": loss_value,
             "test_accuracy": accuracy,
