@@ -117,7 +117,8 @@ def _push_pull(kids: list[Child], address: str, warmup: int, n: int, wire: str =
 
 def _working(procs: Processes) -> dict[int, int]:
     """Anonymous RSS of shard processes that hold a 64-element model and have served a few rounds: what any working
-    shard holds whatever its model (building the first torch optimizer alone imports torch._dynamo, ~75 MB)."""
+    shard holds whatever its model (torch._dynamo, ~75 MB, which a shard process imports before it serves, is in
+    both this and the idle figure)."""
     from paramserver import ServerConfig
 
     kid = procs.child("transport", "worker", {"tensors": dense_tensors(64)}, name="memory-reference-worker")

@@ -325,7 +325,8 @@ def _memory(ix: _Index) -> list[str]:
         "shown apart. idle = the same process before any model. params + state "
         "= the shard's parameters and one gradient-sized buffer (1.00x would be the minimum). Working shard: a "
         "shard process holding a 64-element model after a few rounds, i.e. what every shard pays once whatever its "
-        "model (building the first torch optimizer imports torch._dynamo).",
+        "model (torch._dynamo, which torch's first optimizer imports, is in the idle figure too: a shard process "
+        "imports it before it serves).",
         "",
         *_table(header, rows),
         "",
