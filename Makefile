@@ -29,8 +29,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check paramserver worker tests
-	$(VENV)/bin/ruff format --check paramserver worker tests
+	$(VENV)/bin/ruff check paramserver worker tests bench deploy
+	$(VENV)/bin/ruff format --check paramserver worker tests bench deploy
 	$(VENV)/bin/mypy paramserver worker
 
 ## proto: regenerate paramserver/v1 from protos/ (committed; tests check it is current)

@@ -100,16 +100,21 @@ def main() -> int:
         print("healthy: no ps-server in this container (a worker); nothing to check")
         return 0
 
+    import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     status = 0
     for target in targets:
         try:
             with _channel(target, argv) as channel:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=TIMEOUT)
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=TIMEOUT
+                )
             state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
         except Exception as exc:  # noqa: BLE001 - any failure is "unhealthy"
-            state = f"unreachable ({type(exc).__name__}: {getattr(exc, 'details', lambda: exc)()})"
+            # A gRPC error says what went wrong in details(); anything else in its own message.
+            reason = exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else exc
+            state = f"unreachable ({type(exc).__name__}: {reason})"
         print(f"{target}: {state}")
         if state != "SERVING":
             status = 1
