@@ -206,6 +206,58 @@ def test_a_worker_kept_waiting_by_another_init_asks_again_soon_then_less_often(
         assert torch.equal(model["w"], torch.arange(8, dtype=torch.float32))
 
 
+def test_a_sync_worker_waits_past_the_pull_timeout_for_a_worker_that_joins_late(
+    ps_cluster_factory: Callable[..., LocalCluster], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pods of one job may start minutes apart: the first worker's first round waits for the second to join,
+    through pulls that the servers time out (here after 0.3 s), logging the wait, and trains on once it joins;
+    no push of it is refused or lost."""
+    from worker.trainer import TrainConfig, train
+
+    config = ServerConfig(mode="sync", workers=2, optimizer="sgd", lr=0.1, pull_timeout=0.3)
+    cluster = ps_cluster_factory(config, shards=2)
+    metrics: dict[str, dict] = {}
+
+    def worker(name: str) -> Callable[[], None]:
+        def run() -> None:
+            settings = TrainConfig(server=cluster.address, model="logreg", steps=3, progress=False, timeout=10.0)
+            metrics[name] = train(settings)
+
+        return run
+
+    early = threading.Thread(target=worker("early"), daemon=True)
+    with caplog.at_level(logging.WARNING, logger="worker.trainer"):
+        early.start()
+        deadline = time.monotonic() + CALL_TIMEOUT
+        while not cluster.servers[0].shard.policy.in_progress() and time.monotonic() < deadline:
+            time.sleep(0.02)  # until its first gradient waits in round 0
+        time.sleep(1.0)  # three pull timeouts and more
+        assert early.is_alive(), "the first worker gave up before the second one joined"
+        _in_threads([worker("late")])
+        early.join(30)
+    assert set(metrics) == {"early", "late"}
+    for m in metrics.values():
+        assert m["steps"] == 3 and m["stale_pushes"] == 0 and m["server_version"] == 3, m
+    waits = [r.getMessage() for r in caplog.records if "still waiting for the round to close" in r.getMessage()]
+    assert len(waits) >= 2 and "1 of its 2 workers" in waits[0], waits
+
+
+def test_a_sync_worker_gives_up_on_a_round_after_its_round_timeout(
+    ps_cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    from paramserver.errors import PullTimeout
+    from worker.trainer import TrainConfig, train
+
+    config = ServerConfig(mode="sync", workers=2, optimizer="sgd", lr=0.1, pull_timeout=0.3)
+    cluster = ps_cluster_factory(config, shards=1)
+    settings = TrainConfig(server=cluster.address, model="logreg", steps=3, progress=False, round_timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(PullTimeout, match=r"--round-timeout 1\b.*1 of its 2 workers"):
+        train(settings)
+    assert time.monotonic() - started >= 1.0
+    assert cluster.servers[0].shard.describe().version == 0
+
+
 # -- nothing lost under load ----------------------------------------------------------------------------------------
 
 LOAD_THREADS = 16

@@ -37,6 +37,7 @@ from paramserver.errors import (
     NotAttached,
     NotInitialized,
     PSError,
+    PullTimeout,
     RemoteError,
     SharedMemoryUnavailable,
     UnknownWorker,
@@ -455,7 +456,9 @@ class PSClient:
         """Push the gradient, then pull the weights that include it into `obj`: one exchange per shard, all
         shards at once (one shard's pull overlaps another's push). Returns the lowest shard version pulled.
 
-        Raises like `push`; after Aborted (the round closed without this push) call `pull` to catch up.
+        Raises like `push`; after Aborted (the round closed without this push) call `pull` to catch up. After
+        PullTimeout the push was taken but its round is still open (in sync mode: workers yet to join or to push);
+        `pull` waits for that round again.
         """
         b = self._bind(obj)
         return self._exchange(b, grads=self._gradients(obj, b), step=self._next_step(step), pull=True)
@@ -486,7 +489,16 @@ class PSClient:
     def _exchange(self, b: _Binding, grads: list[np.ndarray] | None, step: int, pull: bool) -> int:
         """Push `grads` (if given), then pull (if asked), on every shard at once; return the lowest version."""
         flats = [b.flat(i) for i in range(len(b.tensors))] if pull else None
-        versions = self._fan_out(lambda k: self._start(b, k, grads, step, flats))
+        bases = list(self.versions)
+        try:
+            versions = self._fan_out(lambda k: self._start(b, k, grads, step, flats))
+        except PullTimeout:
+            if grads is not None:
+                # A shard waits to answer a pull only once it has taken the push (or found its round closed), so
+                # the next pull must wait for that round too, not hand back the weights the push was made on.
+                for k, base in enumerate(bases):
+                    self._min_next[k] = max(self._min_next[k], base + 1)
+            raise
         if pull:
             with torch.no_grad():
                 for i, t in enumerate(b.tensors):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from paramserver.config import config_field
-from paramserver.errors import Aborted
+from paramserver.errors import Aborted, PullTimeout
 from paramserver.security import read_token
 from worker.client import PSClient
 from worker.data import Dataset, batches, load_dataset, shard_for_rank, steps_per_epoch
@@ -64,6 +64,11 @@ class TrainConfig:
     job_name: str = config_field("", "job to join; refused if the servers run another (default: any)")
     threads: int = config_field(1, "torch CPU threads (1 is fastest when shards and workers share the cores)")
     timeout: float = config_field(120.0, "seconds to wait for a shard before giving up on a call")
+    round_timeout: float = config_field(
+        1800.0,
+        "seconds to wait for a round to close before giving up: in sync mode for the job's other workers to "
+        "join (pods may start minutes apart) or to push; the wait is logged every --pull-timeout of the servers",
+    )
     tls_ca: str | None = config_field(None, "PEM CA that signed the shards' certificates (enables TLS)")
     tls_cert: str | None = config_field(None, "PEM client certificate, for shards that require mutual TLS")
     tls_key: str | None = config_field(None, "PEM private key of the client certificate")
@@ -85,6 +90,8 @@ class TrainConfig:
             raise ValueError(f"steps must be at least 1, not {self.steps}")
         if self.batch_size < 1:
             raise ValueError(f"batch-size must be at least 1, not {self.batch_size}")
+        if self.round_timeout <= 0:
+            raise ValueError(f"round-timeout must be positive, not {self.round_timeout}")
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -130,6 +137,25 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
     tmp = target.with_name(target.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     os.replace(tmp, target)
+
+
+def _pull_once_closed(
+    client: PSClient, model: torch.nn.Module, began: float, limit: float, timed_out: PullTimeout | None = None
+) -> None:
+    """Pull the weights of the round this step's push went into, however long it stays open (a sync round waits
+    for every worker to have joined, and for each live one to push; a dead one is evicted when its lease runs
+    out): each pull the servers time out is logged and made again, until `limit` seconds after `began`."""
+    while True:
+        if timed_out is not None:
+            waited = time.monotonic() - began
+            if waited >= limit:
+                raise PullTimeout(f"gave up on a round after {waited:.0f} s (--round-timeout {limit:g}): {timed_out}")
+            log.warning("still waiting for the round to close after %.1f s: %s", waited, timed_out)
+        try:
+            client.pull(model)
+            return
+        except PullTimeout as exc:
+            timed_out = exc
 
 
 def train(
@@ -205,13 +231,16 @@ def train(
                     model.zero_grad(set_to_none=False)
                     loss = F.cross_entropy(model(xb), yb)
                     loss.backward()
+                    began = time.monotonic()
                     try:
                         client.push_pull(model)
                     except Aborted as exc:
                         # The round closed without us (too slow, evicted, or a shard restarted): catch up, go on.
                         stale += 1
                         log.debug("push refused: %s", exc)
-                        client.pull(model)
+                        _pull_once_closed(client, model, began, config.round_timeout)
+                    except PullTimeout as exc:
+                        _pull_once_closed(client, model, began, config.round_timeout, exc)
                     step += 1
                     samples += len(xb)
                     loss_value = loss.item()
