@@ -66,8 +66,8 @@ def _ps_run(data: Any, params: dict[str, Any], msg: dict[str, Any]) -> dict[str,
         progress=False,
     )
     metrics = train(config, dataset=data)
-    keep = ("rank", "steps", "samples", "seconds", "samples_per_second", "test_accuracy", "final_loss", "mode")
-    keep += ("started_at", "finished_at")
+    keep = ("rank", "steps", "samples", "seconds", "started_at", "finished_at", "samples_per_second", "test_accuracy")
+    keep += ("final_loss", "mode")
     return {k: metrics[k] for k in keep}
 
 

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,17 +56,17 @@ def make_optimizer(config: ServerConfig, params: torch.Tensor) -> torch.optim.Op
     same results to a float32 rounding. On one thread, 12.5 M parameters take Adam 5.6 ms against 56 ms, Adagrad
     4.6 against 31, momentum 4.6 against 7.3 (plain SGD is one pass either way).
     """
-    wd = config.weight_decay
+    common: dict[str, Any] = {"lr": config.lr, "weight_decay": config.weight_decay, "fused": True}
     if config.optimizer == "sgd":
-        return torch.optim.SGD([params], lr=config.lr, weight_decay=wd, fused=True)
+        return torch.optim.SGD([params], **common)
     if config.optimizer == "momentum":
-        return torch.optim.SGD([params], lr=config.lr, momentum=config.momentum, weight_decay=wd, fused=True)
+        return torch.optim.SGD([params], momentum=config.momentum, **common)
     if config.optimizer == "adam":
-        return torch.optim.Adam([params], lr=config.lr, weight_decay=wd, fused=True)
+        return torch.optim.Adam([params], **common)
     if config.optimizer == "adamw":
-        return torch.optim.AdamW([params], lr=config.lr, weight_decay=wd, fused=True)
+        return torch.optim.AdamW([params], **common)
     if config.optimizer == "adagrad":
-        return torch.optim.Adagrad([params], lr=config.lr, weight_decay=wd, fused=True)
+        return torch.optim.Adagrad([params], **common)
     raise ValueError(f"unknown optimizer {config.optimizer!r}")
 
 

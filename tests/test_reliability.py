@@ -180,7 +180,7 @@ def test_a_worker_kept_waiting_by_another_init_asks_again_soon_then_less_often(
     real_sleep = time.sleep
 
     def sleep(seconds: float) -> None:
-        waits.append(seconds)
+        waits.append(seconds)  # every thread's: nothing else in this process sleeps while the test waits
         real_sleep(seconds)
 
     monkeypatch.setattr(worker.client.time, "sleep", sleep)

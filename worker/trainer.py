@@ -149,7 +149,7 @@ def _pull_once_closed(
         if timed_out is not None:
             waited = time.monotonic() - began
             if waited >= limit:
-                raise PullTimeout(f"gave up on a round after {waited:.0f} s (--round-timeout {limit:g}): {timed_out}")
+                raise PullTimeout(f"gave up on a round after {waited:.1f} s (--round-timeout {limit:g}): {timed_out}")
             log.warning("still waiting for the round to close after %.1f s: %s", waited, timed_out)
         try:
             client.pull(model)
