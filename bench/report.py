@@ -405,6 +405,10 @@ def summary(doc: Doc) -> str:
     if ix.get(fid) is not None:
         r = ratio(fid, "training.sps.mlp25m.synthetic.local")
         row("25 M-parameter MLP training, 2 workers, sync, ÷ local", r, "x", "≥ 0.8x", check(r, 0.8, lower=False))
+    fid = "training.sps.mlp25m.synthetic.w1.async+overlap"
+    if ix.get(fid) is not None:
+        r = ratio(fid, "training.sps.mlp25m.synthetic.w1.async")
+        row("25 M-parameter MLP training, 1 worker, async, with --overlap ÷ without", r, "x", "", None)
     fid = "training.tta.cnn.w2.sync"
     if ix.get(fid) is not None:
         row("CNN time to 0.95 accuracy, 2 workers, sync, ÷ local", ratio(fid, "training.tta.cnn.local"), "x", "", None)

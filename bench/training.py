@@ -63,6 +63,7 @@ def _ps_run(data: Any, params: dict[str, Any], msg: dict[str, Any]) -> dict[str,
         batch_size=BATCH,
         device="cpu",
         threads=1,
+        overlap=msg.get("overlap", False),
         progress=False,
     )
     metrics = train(config, dataset=data)
@@ -141,20 +142,22 @@ class _Runs:
                 self._ready.add(id(k))
 
     def ps(self, mode: str, workers: int, epochs: int | None, steps: int | None, repeats: int) -> list[dict[str, Any]]:
-        """`repeats` runs of `workers` workers against fresh shards; each run's totals over its workers."""
+        """`repeats` runs of `workers` workers against fresh shards; each run's totals over its workers. `mode` is
+        the job's, with `+overlap` when the workers run ps-worker --overlap."""
         from paramserver import ServerConfig
 
         key = (mode, workers, epochs, steps)
         runs = self.cache.setdefault(key, [])
         kids = self.kids[:workers]
+        job, _, extra = mode.partition("+")
         while len(runs) < repeats:
-            config = ServerConfig(mode=mode, workers=workers, optimizer="adam", lr=LR)
+            config = ServerConfig(mode=job, workers=workers, optimizer="adam", lr=LR)
             cluster = self.procs.cluster(config, SHARDS)
             self.procs.settle()
             try:
                 self._wait_ready(kids)
                 for k in kids:
-                    k.send(op="ps", server=cluster.address, epochs=epochs, steps=steps)
+                    k.send(op="ps", server=cluster.address, epochs=epochs, steps=steps, overlap=extra == "overlap")
                 per_worker = [k.expect("result", TIMEOUT)["metrics"] for k in kids]
             finally:
                 self.procs.stop_soon(cluster)
@@ -223,7 +226,9 @@ def _model_figures(plan: Plan, procs: Processes, model: str, dataset: str, setup
         for workers, mode in setups:
             r = runs.ps(mode, workers, length.get("epochs"), length.get("steps"), plan.train_repeats)
             params = {"model": model, "dataset": dataset, "workers": workers, "mode": mode, "shards": SHARDS, **length}
-            figures.append(_throughput(r, model, dataset, f"w{workers}.{mode}", params, [local_id]))
+            job, plus, _ = mode.partition("+")
+            without = [f"{SECTION}.sps.{_short(model)}.{dataset}.w{workers}.{job}"] if plus else []
+            figures.append(_throughput(r, model, dataset, f"w{workers}.{mode}", params, [local_id, *without]))
         local = runs.local(length.get("epochs"), length.get("steps"), plan.train_repeats)
         params = {"model": model, "dataset": dataset, "workers": 1, "mode": "local", **length}
         figures.append(_throughput(local, model, dataset, "local", params, []))
@@ -274,10 +279,12 @@ def _time_to_accuracy(plan: Plan, runs: _Runs) -> list[Figure]:
 
 
 def run(plan: Plan, procs: Processes) -> list[Figure]:
-    """Digits models in every setup, the ~25 M-parameter MLP for a few steps, and the time to 0.95 accuracy."""
+    """Digits models in every setup, the ~25 M-parameter MLP for a few steps (sync; and async with one worker,
+    without and with ps-worker --overlap), and the time to 0.95 accuracy."""
     figures: list[Figure] = []
     for model in plan.train_models:
         figures += _model_figures(plan, procs, model, "digits", list(plan.train_setups), {"epochs": plan.train_epochs})
-    big_setups = [(w, "sync") for w in plan.big_workers]
+    # Overlap pays where the exchange and the compute can run at once: one worker leaves a core to the shards.
+    big_setups = [(w, "sync") for w in plan.big_workers] + [(1, "async"), (1, "async+overlap")]
     figures += _model_figures(plan, procs, plan.big_model, "synthetic", big_setups, {"steps": plan.big_steps})
     return figures

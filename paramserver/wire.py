@@ -85,10 +85,15 @@ def decode_into(dst: np.ndarray, data: bytes | memoryview, dtype: int) -> None:
     dtype = wire_dtype(dtype)
     if dtype == FLOAT32:
         dst[:] = np.frombuffer(data, dtype="<f4")
+    elif torch.get_num_threads() == 1 and dst.size and not memoryview(data).readonly:
+        # One pass in torch (bf16: 3.9 ms per 12.5 M elements against 7.2 for numpy's widen-then-shift). Only on
+        # one thread: a chunk is too small for torch's thread pool, which stalls on busy cores; and only from a
+        # writable buffer (the data socket's), since torch warns about read-only ones (a gRPC message's bytes).
+        half = torch.bfloat16 if dtype == BFLOAT16 else torch.float16
+        torch.from_numpy(dst).copy_(torch.frombuffer(data, dtype=half))
     elif dtype == FLOAT16:
         dst[:] = np.frombuffer(data, dtype="<f2")
     else:
-        # numpy, not torch: a chunk is too small for torch's thread pool, which stalls on busy cores.
         bits = dst.view(np.uint32)
         bits[:] = np.frombuffer(data, dtype="<u2")
         bits <<= 16

@@ -86,6 +86,10 @@ def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.Co
         tls = [f for i, f in by_id.items() if i.startswith("transport.rt.") and i.endswith(f".{path}-tls")]
         assert tls, path
         assert any(base.endswith(f".{path}") for base in tls[0]["ratios"]), tls[0]["ratios"]
+    # The big model with one async worker, with ps-worker --overlap against without it.
+    overlap = [f for i, f in by_id.items() if i.startswith("training.sps.") and i.endswith(".w1.async+overlap")]
+    assert overlap, "no overlap figure"
+    assert any(base.endswith(".w1.async") for base in overlap[0]["ratios"]), overlap[0]["ratios"]
     # Ratios against the baselines of the same run are computed, and they are positive.
     ratios = [r for f in figures for r in f.get("ratios", {}).values()]
     assert ratios and all(r > 0 for r in ratios)

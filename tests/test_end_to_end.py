@@ -246,8 +246,10 @@ def _start_ps_server(*args: str) -> tuple[subprocess.Popen[str], str]:
     raise AssertionError(f"ps-server exited with {proc.wait()} before printing its address")
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
-def test_ps_server_and_two_ps_workers_reach_the_accuracy_target(tmp_path, mode):
+@pytest.mark.parametrize(
+    ("mode", "overlap"), [("sync", False), ("async", False), ("ssp", False), ("async", True), ("ssp", True)]
+)
+def test_ps_server_and_two_ps_workers_reach_the_accuracy_target(tmp_path, mode, overlap):
     server, address = _start_ps_server("--shards", "2", "--mode", mode, "--workers", "2")
     workers: list[subprocess.Popen[bytes]] = []
     try:
@@ -264,6 +266,8 @@ def test_ps_server_and_two_ps_workers_reach_the_accuracy_target(tmp_path, mode):
             ]
             if i == 0:
                 cmd += ["--save-model", str(tmp_path / "model.pt")]
+            if overlap:
+                cmd += ["--overlap"]
             workers.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         outputs = [w.communicate(timeout=240) for w in workers]
         for w, (out, err) in zip(workers, outputs, strict=True):
@@ -284,8 +288,14 @@ def test_ps_server_and_two_ps_workers_reach_the_accuracy_target(tmp_path, mode):
         for key in ("seconds", "samples_per_second", "final_loss", "server_version"):
             assert key in m
         assert m["finished_at"] - m["started_at"] == pytest.approx(m["seconds"], abs=1e-3)
+    assert all(m["config"]["overlap"] is overlap for m in metrics)
     if mode == "sync":  # every round needs both workers, so their training spans overlap
         assert max(m["started_at"] for m in metrics) < min(m["finished_at"] for m in metrics)
+    else:
+        # Every push applied exactly once (none refused: no --max-staleness), overlapped or not: the worker whose
+        # push came last saw them all in its last pull.
+        assert all(m["stale_pushes"] == 0 for m in metrics)
+        assert max(m["server_version"] for m in metrics) == sum(m["steps"] for m in metrics)
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     model = build_model("cnn", in_shape=(1, 8, 8), num_classes=10)
     model.load_state_dict(state)

@@ -234,6 +234,29 @@ def test_decode_into_a_slice_leaves_its_neighbours_alone(dtype: int) -> None:
     assert np.all(buf[:3] == SENTINEL) and np.all(buf[8:] == SENTINEL)
 
 
+@pytest.mark.parametrize("dtype", [BFLOAT16, FLOAT16], ids=DTYPE_IDS[1:])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_into_gives_the_same_bits_on_torch_and_numpy(dtype: int, threads: int) -> None:
+    """A writable buffer on one torch thread decodes in torch, anything else in numpy: the same bits either way,
+    infinities, subnormals and signed zeros included; a NaN stays a NaN (torch quiets fp16's signalling ones)."""
+    bits = np.arange(1 << 16, dtype=np.uint16)  # every half-type value
+    wire = bytearray(bits.tobytes())
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        from_writable = np.empty(len(bits), dtype=np.float32)
+        decode_into(from_writable, memoryview(wire), dtype)
+    finally:
+        torch.set_num_threads(before)
+    from_bytes = np.empty(len(bits), dtype=np.float32)
+    decode_into(from_bytes, bytes(wire), dtype)  # read-only: always numpy
+    expected = _reference_decode(bytes(wire), dtype)
+    nan = np.isnan(expected)
+    for out in (from_writable, from_bytes):
+        assert np.array_equal(np.isnan(out), nan)
+        assert np.array_equal(out[~nan].view(np.uint32), expected[~nan].view(np.uint32))
+
+
 def test_encode_reads_unspecified_dtype_as_float32() -> None:
     values = np.array([1.0, -2.5, 0.1], dtype=np.float32)
     assert encode(values, 0) == encode(values, FLOAT32)

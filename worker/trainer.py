@@ -17,11 +17,14 @@ import torch.nn.functional as F
 from paramserver.config import config_field
 from paramserver.errors import Aborted, PullTimeout
 from paramserver.security import read_token
-from worker.client import PSClient
+from worker.client import PSClient, Tensors
 from worker.data import Dataset, batches, load_dataset, shard_for_rank, steps_per_epoch
 from worker.models import BUILTIN_MODELS, build_model
+from worker.overlap import Overlap
 
 log = logging.getLogger(__name__)
+
+OVERLAP_MODES = ("async", "ssp")  # the jobs whose workers may send a gradient one step late
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,12 @@ class TrainConfig:
         "exchange tensors with shards on other hosts as raw bytes over their TCP data socket (gRPC only for "
         "control); off, or where a shard serves none or its port is closed: gRPC streams (the data socket is "
         "tried again after 30 s, then less and less often)",
+    )
+    overlap: bool = config_field(
+        False,
+        "async and ssp jobs: send each step's gradient and receive the next weights while the next step computes, "
+        "so a step costs about max(compute, exchange) instead of their sum, and each gradient is one step staler. "
+        "Pays where both can run at once (a slow link, cores to spare); refused in sync jobs",
     )
     job_name: str = config_field("", "job to join; refused if the servers run another (default: any)")
     threads: int = config_field(1, "torch CPU threads (1 is fastest when shards and workers share the cores)")
@@ -140,7 +149,7 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
 
 
 def _pull_once_closed(
-    client: PSClient, model: torch.nn.Module, began: float, limit: float, timed_out: PullTimeout | None = None
+    client: PSClient, model: Tensors, began: float, limit: float, timed_out: PullTimeout | None = None
 ) -> None:
     """Pull the weights of the round this step's push went into, however long it stays open (a sync round waits
     for every worker to have joined, and for each live one to push; a dead one is evicted when its lease runs
@@ -156,6 +165,36 @@ def _pull_once_closed(
             return
         except PullTimeout as exc:
             timed_out = exc
+
+
+def _exchange(client: PSClient, target: Tensors, round_timeout: float) -> bool:
+    """Push the gradient held by `target` and pull the weights that include it into `target`, catching up when the
+    push was refused or its round stays open; return whether it was refused (a stale push)."""
+    began = time.monotonic()
+    try:
+        client.push_pull(target)
+    except Aborted as exc:
+        # The round closed without us (too slow, evicted, or a shard restarted): catch up, go on.
+        log.debug("push refused: %s", exc)
+        _pull_once_closed(client, target, began, round_timeout)
+        return True
+    except PullTimeout as exc:
+        _pull_once_closed(client, target, began, round_timeout, exc)
+    return False
+
+
+def _overlap(
+    config: TrainConfig, client: PSClient, model: torch.nn.Module, exchange: Callable[[Tensors], bool]
+) -> Overlap[bool] | None:
+    """The Overlap that runs the exchanges in the background, where the job allows it; else None."""
+    if not config.overlap:
+        return None
+    if client.mode not in OVERLAP_MODES:
+        raise ValueError(
+            f"--overlap needs an async or ssp job, and the servers run a {client.mode} job: a sync round averages "
+            "gradients of its own weights, which a worker a step ahead cannot send (leave --overlap off)"
+        )
+    return Overlap(model, exchange)
 
 
 def train(
@@ -220,6 +259,11 @@ def train(
                 leave=True,
             )
         step, samples, stale, loss_value = 0, 0, 0, float("nan")
+
+        def exchange(target: Tensors) -> bool:
+            return _exchange(client, target, config.round_timeout)
+
+        overlap = _overlap(config, client, model, exchange)
         started_at, start = time.time(), time.perf_counter()
         try:
             epoch = 0
@@ -231,16 +275,7 @@ def train(
                     model.zero_grad(set_to_none=False)
                     loss = F.cross_entropy(model(xb), yb)
                     loss.backward()
-                    began = time.monotonic()
-                    try:
-                        client.push_pull(model)
-                    except Aborted as exc:
-                        # The round closed without us (too slow, evicted, or a shard restarted): catch up, go on.
-                        stale += 1
-                        log.debug("push refused: %s", exc)
-                        _pull_once_closed(client, model, began, config.round_timeout)
-                    except PullTimeout as exc:
-                        _pull_once_closed(client, model, began, config.round_timeout, exc)
+                    stale += exchange(model) if overlap is None else bool(overlap.step())
                     step += 1
                     samples += len(xb)
                     loss_value = loss.item()
@@ -258,7 +293,11 @@ def train(
                     history["eval_time"].append(time.perf_counter() - start)
                     history["eval_step"].append(step)
                     history["accuracy"].append(evaluate(model, data.x_test, data.y_test, device))
+            if overlap is not None:
+                stale += bool(overlap.finish())  # the weights of the last exchange
         finally:
+            if overlap is not None:
+                overlap.close()
             if bar is not None:
                 bar.close()
         seconds = time.perf_counter() - start

@@ -1,0 +1,172 @@
+"""Overlap: each step's exchange runs in the background while the next step computes (async and ssp jobs)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from paramserver import ServerConfig
+from worker import Overlap, PSClient
+from worker.trainer import TrainConfig, train
+
+Tensors = dict[str, torch.Tensor]
+
+
+class _Recorder:
+    """An exchange that keeps what it was sent and answers exchange k with weights all equal to k (1-based)."""
+
+    def __init__(self, fail_at: int = 0) -> None:
+        self.sent: list[Tensors] = []
+        self.dicts: list[Tensors] = []
+        self.fail_at = fail_at
+        self.thread_names: list[str] = []
+
+    def __call__(self, tensors: Tensors) -> int:
+        self.thread_names.append(threading.current_thread().name)
+        self.sent.append({k: v.clone() for k, v in tensors.items()})
+        self.dicts.append(tensors)
+        k = len(self.sent)
+        if k == self.fail_at:
+            raise RuntimeError(f"exchange {k} failed")
+        for v in tensors.values():
+            v.fill_(float(k))
+        return k
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 3)
+
+
+def _backward(model: torch.nn.Module, scale: float) -> Tensors:
+    """Fill .grad through a real backward; return the gradient it produced."""
+    model.zero_grad(set_to_none=False)
+    (scale * model(torch.ones(2, 4)).sum()).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
+
+
+def test_each_step_sends_its_own_gradient_and_takes_the_previous_exchanges_weights():
+    model, exchange = _model(), _Recorder()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with Overlap(model, exchange) as overlap:
+        g1 = _backward(model, 1.0)
+        assert overlap.step() is None  # nothing was in flight
+        # Step 2 still computes on the initial weights: exchange 1 is (as far as the model knows) on its way.
+        for n, p in model.named_parameters():
+            assert torch.equal(p.detach(), initial[n])
+        g2 = _backward(model, 2.0)
+        assert overlap.step() == 1
+        for p in model.parameters():
+            assert torch.all(p.detach() == 1.0)  # exchange 1's weights
+        g3 = _backward(model, 3.0)
+        assert overlap.step() == 2
+        assert overlap.finish() == 3
+        for p in model.parameters():
+            assert torch.all(p.detach() == 3.0)
+        assert overlap.finish() is None  # nothing left in flight
+    for sent, grad in zip(exchange.sent, (g1, g2, g3), strict=True):
+        assert sent.keys() == grad.keys()
+        for n in grad:
+            assert torch.equal(sent[n], grad[n])
+    assert all(name.startswith("ps-overlap") for name in exchange.thread_names)
+
+
+def test_storages_take_turns_with_no_new_tensor_after_the_first_steps():
+    model, exchange = _model(), _Recorder()
+    seen: dict[str, set[int]] = {n: set() for n, _ in model.named_parameters()}
+    with Overlap(model, exchange) as overlap:
+        for step in range(12):
+            _backward(model, 1.0 + step)
+            overlap.step()
+            for n, p in model.named_parameters():
+                seen[n].add(p.data_ptr())
+                seen[n].add(p.grad.data_ptr())  # type: ignore[union-attr]
+                assert p.data_ptr() != p.grad.data_ptr()  # type: ignore[union-attr]
+        overlap.finish()
+    for n in seen:
+        assert len(seen[n]) == 3, n  # data, gradient and the set in flight: three storages, reused
+    # Three dicts of the same tensor objects take turns, so a client binds each one once.
+    distinct = {id(d): d for d in exchange.dicts}
+    assert len(distinct) == 3
+    for d in exchange.dicts:
+        assert all(d[n] is distinct[id(d)][n] for n in d)
+
+
+def test_a_parameter_without_a_gradient_sends_zeros():
+    model, exchange = _model(), _Recorder()
+    with Overlap(model, exchange) as overlap:
+        model.zero_grad(set_to_none=True)
+        assert model.bias.grad is None
+        model.weight.grad = torch.ones_like(model.weight)
+        overlap.step()
+        overlap.finish()
+    assert torch.equal(exchange.sent[0]["bias"], torch.zeros(3))
+    assert torch.equal(exchange.sent[0]["weight"], torch.ones(3, 4))
+
+
+def test_a_failed_exchange_is_raised_by_the_next_step_and_leaves_the_weights_alone():
+    model, exchange = _model(), _Recorder(fail_at=2)
+    with Overlap(model, exchange) as overlap:
+        _backward(model, 1.0)
+        overlap.step()
+        _backward(model, 1.0)
+        overlap.step()  # takes exchange 1's weights, sends exchange 2 (which fails)
+        _backward(model, 1.0)
+        with pytest.raises(RuntimeError, match="exchange 2 failed"):
+            overlap.step()
+        for p in model.parameters():
+            assert torch.all(p.detach() == 1.0)
+    # Leaving the block after a failure in flight raises nothing more and stops the thread.
+    model2, failing = _model(), _Recorder(fail_at=1)
+    with Overlap(model2, failing) as overlap:
+        _backward(model2, 1.0)
+        overlap.step()
+    assert not any(t.name.startswith("ps-overlap") and t.is_alive() for t in threading.enumerate())
+
+
+def test_overlapped_async_training_is_delayed_gradient_sgd(ps_cluster_factory):
+    """Against real shards: step t's gradient is computed on the weights after step t-2's push (the initial
+    ones for steps 1 and 2), each push is applied exactly once, and the last weights come back with finish()."""
+    lr, steps = 0.1, 8
+    cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="sgd", lr=lr), shards=2)
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(5, 6, generator=gen), torch.randint(0, 4, (5,), generator=gen)) for _ in range(steps)]
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    reference = [p.detach().clone() for p in model.parameters()]
+
+    def loss(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(net(x), y)
+
+    with PSClient(cluster.address) as client:
+        client.register(model)
+        with Overlap(model, client.push_pull) as overlap:
+            for x, y in batches:
+                model.zero_grad(set_to_none=False)
+                loss(model, x, y).backward()
+                overlap.step()
+            overlap.finish()
+        assert client.versions == [steps, steps]
+        pulled = {n: torch.empty_like(p) for n, p in model.named_parameters()}
+        client.pull(pulled)
+
+    # The same arithmetic locally: the servers' states S_0..S_n, and gradient t computed on S_max(t-2, 0).
+    twin = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    states = [reference]
+    for t, (x, y) in enumerate(batches, start=1):
+        with torch.no_grad():
+            for p, w in zip(twin.parameters(), states[max(t - 2, 0)], strict=True):
+                p.copy_(w)
+        twin.zero_grad()
+        loss(twin, x, y).backward()
+        states.append([w - lr * p.grad for w, p in zip(states[-1], twin.parameters(), strict=True)])
+    for p, w, (name, q) in zip(model.parameters(), states[-1], pulled.items(), strict=True):
+        torch.testing.assert_close(p.detach(), w, rtol=0, atol=1e-6)
+        torch.testing.assert_close(q, p.detach(), rtol=0, atol=0, msg=name)
+
+
+def test_overlap_is_refused_in_a_sync_job_with_a_message_naming_the_flag(ps_cluster):
+    with pytest.raises(ValueError, match=r"--overlap needs an async or ssp job.*sync job"):
+        train(TrainConfig(server=ps_cluster.address, model="logreg", steps=2, overlap=True, progress=False))

@@ -1,0 +1,98 @@
+"""Overlap: run each step's exchange with the servers while the next step computes (async and ssp jobs).
+
+Without it a worker computes, then waits for its push and pull, then computes again: the network and the shards
+sit idle while it computes, and its cores while it waits. With it, step t's gradient travels (and step t's new
+weights come back) while step t+1 runs forward and backward on the weights of step t-1's exchange, so each step
+costs about max(compute, exchange) instead of their sum. The price is one step more of staleness per gradient,
+which async and bounded-staleness training tolerate by design; a sync round must see the gradients of its own
+weights, so sync jobs do not overlap.
+
+No tensor is copied for it. Each parameter has three storages that take turns: the weights the model computes
+on, the gradient that backward fills, and the one in flight (sent as the gradient, then overwritten by the
+weights the servers answer with). Once an exchange is back its storage becomes the parameter's data, the old data
+becomes the next gradient, and this step's gradient goes out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent import futures
+from types import TracebackType
+from typing import Generic, TypeVar
+
+import torch
+
+T = TypeVar("T")
+Exchange = Callable[[dict[str, torch.Tensor]], T]
+
+
+class Overlap(Generic[T]):
+    """Exchange each gradient in the background while the model computes the next one.
+
+    `exchange(tensors)` must send `tensors` as the gradient and write the weights it pulls into them, in place (what
+    `PSClient.push_pull` does with a mapping); its result is handed back by the next `step` or by `finish`.
+    After `backward()`, call `step()`; after the last one, `finish()` puts the last exchange's weights into the model.
+    Leaving the `with` block waits for the exchange in flight, so the client can be closed after it.
+    """
+
+    def __init__(self, model: torch.nn.Module, exchange: Exchange[T]) -> None:
+        self._params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        if not self._params:
+            raise ValueError("the model has no trainable parameters")
+        self._exchange = exchange
+        self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-overlap")
+        # Each set of storages is one dict of tensors, the same objects from step to step (so the client binds each
+        # dict once): the set the parameters alias, the set backward fills, the set in flight with its result.
+        self._data = {name: p.detach() for name, p in self._params}
+        self._grads: dict[str, torch.Tensor] = {}
+        self._in_flight: tuple[futures.Future[T], dict[str, torch.Tensor]] | None = None
+
+    def step(self) -> T | None:
+        """Send this step's gradients, and put the weights of the previous exchange into the model (waiting for it
+        if it is still on its way); return that exchange's result, or None on the first step."""
+        grads = self._grads
+        for name, p in self._params:
+            if p.grad is None:  # a parameter this step did not use: its gradient is zero
+                p.grad = torch.zeros_like(p)
+            grads[name] = p.grad  # the same object as before, unless something replaced .grad
+        result, freed = self._land()
+        self._in_flight = (self._pool.submit(self._exchange, grads), grads)
+        # Backward accumulates into .grad in place, so the next step needs a storage of its own: the data just
+        # replaced (on the first step, a new one). The caller zeroes it with zero_grad as usual.
+        self._grads = freed if freed is not None else {name: torch.zeros_like(p) for name, p in self._params}
+        for name, p in self._params:
+            p.grad = self._grads[name]
+        return result
+
+    def finish(self) -> T | None:
+        """Wait for the exchange in flight and make its weights the model's; return its result (None if none)."""
+        return self._land()[0]
+
+    def _land(self) -> tuple[T | None, dict[str, torch.Tensor] | None]:
+        """Wait for the exchange in flight and make its set the model's data; return its result and the set the
+        parameters aliased until now (None and None when nothing was in flight)."""
+        if self._in_flight is None:
+            return None, None
+        future, tensors = self._in_flight
+        self._in_flight = None
+        result = future.result()
+        with torch.no_grad():
+            for name, p in self._params:
+                p.data = tensors[name]
+        freed, self._data = self._data, tensors
+        return result, freed
+
+    def close(self) -> None:
+        """Wait for the exchange in flight (its failure is dropped: the caller is leaving anyway) and stop."""
+        if self._in_flight is not None:
+            futures.wait([self._in_flight[0]])
+            self._in_flight = None
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> Overlap[T]:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
