@@ -381,6 +381,9 @@ class Plan:
     memory_params: int
     memory_workers: tuple[int, ...]
     memory_rounds: int
+    link_rate: str  # the worker's link in the link section, both ways (tc tbf rate)
+    link_batch: int
+    link_epochs: int
 
     @classmethod
     def full(cls, repeats: int = 5, train_repeats: int = 3) -> Plan:
@@ -408,6 +411,10 @@ class Plan:
             memory_params=25_000_000,
             memory_workers=(1, 2, 4),
             memory_rounds=3,
+            # The CNN's 605 KB each way per step take about as long on it as a batch of 128 takes to compute.
+            link_rate="400mbit",
+            link_batch=128,
+            link_epochs=5,
         )
 
     @classmethod
@@ -434,6 +441,9 @@ class Plan:
             memory_params=1_000_000,
             memory_workers=(1,),
             memory_rounds=2,
+            link_rate="400mbit",
+            link_batch=128,
+            link_epochs=1,
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -91,7 +91,7 @@ def markdown(doc: Doc) -> str:
         "(shared 2-core machines vary by up to 2x between passes). MB and GB are decimal (10^6, 10^9 bytes).",
         "",
     ]
-    lines += _transport(ix, doc) + _baselines(ix) + _training(ix) + _memory(ix)
+    lines += _transport(ix, doc) + _baselines(ix) + _training(ix) + _memory(ix) + _link(ix)
     errors = {k: v["error"] for k, v in doc.get("sections", {}).items() if not v.get("ok")}
     if errors:
         lines += ["## Errors", ""] + [f"- **{k}**: {v}" for k, v in errors.items()] + [""]
@@ -333,6 +333,39 @@ def _memory(ix: _Index) -> list[str]:
     ]
 
 
+def _link(ix: _Index) -> list[str]:
+    figs = ix.section("link")
+    if not figs:
+        return []
+    rows = []
+    for f in figs:
+        p = f["params"]
+        acc = f.get("extra", {}).get("test_accuracy") or []
+        without = next(iter(f.get("ratios", {}).values()), None)
+        rows.append(
+            [
+                p["rate"],
+                p["mode"],
+                "yes" if p["overlap"] else "no",
+                f"{p['batch_size']}",
+                f"{p['epochs']}",
+                fmt(f["median"]),
+                fmt(without, "x") if without is not None else "",
+                fmt(sorted(acc)[len(acc) // 2] if acc else None),
+            ]
+        )
+    header = ["link", "mode", "--overlap", "batch", "epochs", "samples/s", "× without", "test accuracy"]
+    return [
+        "## Link (CNN on digits, 1 worker, 2 shards, each on a host of its own: network namespaces, tbf both ways)",
+        "",
+        "What ps-worker --overlap buys where the link, not the cores, is the bottleneck: the worker's link is limited "
+        "by a token bucket, and each run gets fresh shards. samples/s is the worker's training rate.",
+        "",
+        *_table(header, rows),
+        "",
+    ]
+
+
 # The targets of the performance issue, as (label, figure id, how to read it, target, whether lower is better).
 README_BEGIN = "<!-- bench:summary:begin (written by `make bench` from bench/results/latest.json) -->"
 README_END = "<!-- bench:summary:end -->"
@@ -409,6 +442,11 @@ def summary(doc: Doc) -> str:
     if ix.get(fid) is not None:
         r = ratio(fid, "training.sps.mlp25m.synthetic.w1.async")
         row("25 M-parameter MLP training, 1 worker, async, with --overlap ÷ without", r, "x", "", None)
+    fid = "link.sps.cnn.w1.async+overlap"
+    if ix.get(fid) is not None:
+        rate = ix.get(fid)["params"]["rate"]  # type: ignore[index]
+        r = ratio(fid, "link.sps.cnn.w1.async")
+        row(f"CNN training over a {rate} link, 1 worker, async, with --overlap ÷ without", r, "x", "", None)
     fid = "training.tta.cnn.w2.sync"
     if ix.get(fid) is not None:
         row("CNN time to 0.95 accuracy, 2 workers, sync, ÷ local", ratio(fid, "training.tta.cnn.local"), "x", "", None)

@@ -16,8 +16,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("transport", "baselines", "training", "memory")
+SECTIONS = ("transport", "baselines", "training", "memory", "link")
 TIMEOUT_S = 240
+
+
+def _link_unavailable() -> str | None:
+    """Why the link section cannot run here (it needs root and network namespaces), or None."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.link import unavailable
+    finally:
+        sys.path.remove(str(ROOT))
+    return unavailable()
 
 
 def _run_quick(out: Path) -> subprocess.CompletedProcess[str]:
@@ -61,6 +71,8 @@ def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.Co
 
     figures = doc["figures"]
     for section in SECTIONS:
+        if section == "link" and _link_unavailable():
+            continue  # needs root and network namespaces: skipped, saying why
         assert any(f["section"] == section for f in figures), f"no {section} figures"
     for f in figures:
         assert f["unit"], f["id"]
@@ -90,6 +102,10 @@ def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.Co
     overlap = [f for i, f in by_id.items() if i.startswith("training.sps.") and i.endswith(".w1.async+overlap")]
     assert overlap, "no overlap figure"
     assert any(base.endswith(".w1.async") for base in overlap[0]["ratios"]), overlap[0]["ratios"]
+    # Over the limited link: with --overlap against without, on a host of its own.
+    if not _link_unavailable():
+        assert by_id["link.sps.cnn.w1.async+overlap"]["ratios"].keys() == {"link.sps.cnn.w1.async"}
+        assert "## Link" in (out / "latest.md").read_text()
     # Ratios against the baselines of the same run are computed, and they are positive.
     ratios = [r for f in figures for r in f.get("ratios", {}).values()]
     assert ratios and all(r > 0 for r in ratios)
@@ -108,7 +124,7 @@ def test_baselines_bracket_the_transport_cases() -> None:
         from bench.run import run_order
     finally:
         sys.path.remove(str(ROOT))
-    assert run_order(list(SECTIONS)) == ["baselines", "transport", "baselines", "training", "memory"]
+    assert run_order(list(SECTIONS)) == ["baselines", "transport", "baselines", "training", "memory", "link"]
     assert run_order(["baselines", "memory"]) == ["baselines", "memory"]
     assert run_order(["transport"]) == ["transport"]
 
