@@ -384,6 +384,7 @@ class Plan:
     link_rate: str  # the worker's link in the link section, both ways (tc tbf rate)
     link_batch: int
     link_epochs: int
+    link_payload: int  # float32 parameters pushed and pulled over the link, in turn and at once
 
     @classmethod
     def full(cls, repeats: int = 5, train_repeats: int = 3) -> Plan:
@@ -415,6 +416,7 @@ class Plan:
             link_rate="400mbit",
             link_batch=128,
             link_epochs=5,
+            link_payload=6_250_000,  # 25 MB: half a second each way
         )
 
     @classmethod
@@ -444,6 +446,7 @@ class Plan:
             link_rate="400mbit",
             link_batch=128,
             link_epochs=1,
+            link_payload=1_000_000,  # 2 MB a shard: over the 1 MiB that goes from the caller's thread
         )
 
     def to_json(self) -> dict[str, Any]:

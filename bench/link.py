@@ -1,14 +1,19 @@
-"""Link: training over a bandwidth-limited link, the setting `ps-worker --overlap` is for.
+"""Link: a worker whose link, not its cores, is the limit: what pushes in turn and `ps-worker --overlap` are for.
 
 The shards and the worker run on hosts of their own: network namespaces on a bridge (deploy/netns/netlab.py, the
 lab of the multi-host tests), with the worker's link limited both ways by a tbf token bucket (`Plan.link_rate`).
-One worker trains the CNN on digits against 2 shards in async mode, without and with --overlap; each run gets fresh
-shards (started with --exit-when-done, so they end with the run). Needs root (ip netns, tc): elsewhere the section
-is skipped and says why.
+
+- Exchange: one worker's push_pull of a dense model (`Plan.link_payload`) against 2 shards, its pushes to the data
+  sockets in turn and at once, float32 and bf16 (`python bench/link.py exchange ...` runs in the worker's host).
+- Training: one worker trains the CNN on digits against 2 shards in async mode, without and with --overlap; each
+  run gets fresh shards (started with --exit-when-done, so they end with the run).
+
+Needs root (ip netns, tc): elsewhere the section is skipped and says why.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import shutil
@@ -27,6 +32,7 @@ TIMEOUT = 600.0
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = "shard-0:50051,shard-1:50051"
 SETUPS = (("async", False), ("async", True))
+WIRES = (("float32", False), ("float32", True), ("bf16", False), ("bf16", True))  # (wire dtype, in turn)
 
 
 def _netlab() -> Any:
@@ -54,20 +60,68 @@ def _wait_ready(proc: subprocess.Popen[bytes], log_file: Path) -> None:
         time.sleep(0.1)
 
 
-def _run_once(lab: Any, work: Path, plan: Plan, mode: str, overlap: bool) -> dict[str, Any]:
-    """One training run of one worker against fresh shards; its ps-worker metrics."""
+def _start_shards(lab: Any, work: Path, mode: str, *extra: str) -> list[subprocess.Popen[bytes]]:
     bin_dir = Path(sys.executable).parent
-    env = {"PYTHONUNBUFFERED": "1"}
     shards = []
     for i in range(2):
         argv = [
             str(bin_dir / "ps-server"), "--shard-index", str(i), "--peers", PEERS, "--host", "0.0.0.0",
-            "--port", "50051", "--mode", mode, "--workers", "1", "--exit-when-done",
+            "--port", "50051", "--mode", mode, "--workers", "1", *extra,
         ]  # fmt: skip
-        shards.append(lab.popen(f"shard-{i}", argv, work / f"shard-{i}.log", env=env))
+        shards.append(lab.popen(f"shard-{i}", argv, work / f"shard-{i}.log", env={"PYTHONUNBUFFERED": "1"}))
+    for i, proc in enumerate(shards):
+        _wait_ready(proc, work / f"shard-{i}.log")
+    return shards
+
+
+def _exchange_once(lab: Any, work: Path, plan: Plan, wire: str, in_turn: bool) -> list[float]:
+    """Milliseconds of each timed push_pull of one worker process in the worker's host."""
+    argv = [
+        sys.executable, str(Path(__file__).resolve()), "exchange", "--numel", str(plan.link_payload),
+        "--repeats", str(plan.repeats), "--dtype", wire, "--push-in-turn", "on" if in_turn else "off",
+    ]  # fmt: skip
+    out = work / "exchange.log"
+    proc = lab.popen("worker-0", argv, out, env={"PYTHONPATH": str(ROOT)})
+    if proc.wait(timeout=TIMEOUT) != 0:
+        raise RuntimeError(f"the exchange worker failed:\n{out.read_text(errors='replace')[-2000:]}")
+    return json.loads(out.read_text().strip().splitlines()[-1])["ms"]
+
+
+def _exchange_figures(lab: Any, work: Path, plan: Plan) -> list[Figure]:
+    """The push_pull of `Plan.link_payload` parameters over the link, in turn and at once (interleaved)."""
+    times: dict[tuple[str, bool], list[float]] = {w: [] for w in WIRES}
+    _start_shards(lab, work, "sync", "--optimizer", "sgd")
     try:
-        for i, proc in enumerate(shards):
-            _wait_ready(proc, work / f"shard-{i}.log")
+        for _ in range(plan.train_repeats):
+            for wire, in_turn in WIRES:
+                times[(wire, in_turn)] += _exchange_once(lab, work, plan, wire, in_turn)
+    finally:
+        lab.stop_all()
+    label = f"{plan.link_payload * 4 / 1e6:g}MB"
+    figures = []
+    for (wire, in_turn), ms in times.items():
+        way = "in-turn" if in_turn else "at-once"
+        log(f"link {plan.link_rate} push_pull {label} {wire}, pushes {way}: {median(ms):.1f} ms")
+        figures.append(
+            Figure(
+                id=f"{SECTION}.step.{label}.s2.w1.{wire}.{way}",
+                section=SECTION,
+                title=f"push_pull of {label} over a {plan.link_rate} link, 2 shards, 1 worker, {wire}, pushes {way}",
+                unit="ms",
+                repeats=[round(x, 2) for x in ms],
+                params={"payload": label, "wire": wire, "in_turn": in_turn, "rate": plan.link_rate, "shards": 2},
+                warmup=1,
+                compare=[f"{SECTION}.step.{label}.s2.w1.{wire}.at-once"] if in_turn else [],
+            )
+        )
+    return figures
+
+
+def _run_once(lab: Any, work: Path, plan: Plan, mode: str, overlap: bool) -> dict[str, Any]:
+    """One training run of one worker against fresh shards; its ps-worker metrics."""
+    bin_dir = Path(sys.executable).parent
+    try:
+        shards = _start_shards(lab, work, mode, "--exit-when-done")
         metrics = work / "worker.json"
         argv = [
             str(bin_dir / "ps-worker"), "--server", "shard-0:50051", "--no-progress", "--model", MODEL,
@@ -75,7 +129,7 @@ def _run_once(lab: Any, work: Path, plan: Plan, mode: str, overlap: bool) -> dic
             # The namespaces share one kernel, so shared memory would reach across them: the link is the point.
             "--no-shared-memory", "--overlap" if overlap else "--no-overlap",
         ]  # fmt: skip
-        worker = lab.popen("worker-0", argv, work / "worker.log", env=env)
+        worker = lab.popen("worker-0", argv, work / "worker.log", env={"PYTHONUNBUFFERED": "1"})
         if worker.wait(timeout=TIMEOUT) != 0:
             raise RuntimeError(f"ps-worker failed:\n{(work / 'worker.log').read_text(errors='replace')[-2000:]}")
         for proc in shards:
@@ -86,7 +140,8 @@ def _run_once(lab: Any, work: Path, plan: Plan, mode: str, overlap: bool) -> dic
 
 
 def run(plan: Plan, procs: Processes) -> list[Figure]:
-    """CNN training samples/s over the limited link, async, without and with --overlap."""
+    """push_pull over the limited link in turn and at once; CNN training over it, async, without and with
+    --overlap."""
     why = unavailable()
     if why is not None:
         log(f"section {SECTION} skipped: {why}")
@@ -96,6 +151,7 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
     runs: dict[tuple[str, bool], list[dict[str, Any]]] = {s: [] for s in SETUPS}
     with netlab.Lab() as lab, tempfile.TemporaryDirectory(prefix="ps-bench-link-") as tmp:
         lab.limit_bandwidth("worker-0", rate=plan.link_rate, burst="256kb", latency="100ms")
+        figures = _exchange_figures(lab, Path(tmp), plan)
         for _ in range(plan.train_repeats):
             for mode, overlap in SETUPS:  # interleaved, so that the machine's drift weighs on both
                 m = _run_once(lab, Path(tmp), plan, mode, overlap)
@@ -104,7 +160,6 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
                     f"link {plan.link_rate} {mode}{' --overlap' if overlap else ''}: {m['samples_per_second']:.0f} "
                     f"samples/s, accuracy {m['test_accuracy']:.3f}"
                 )
-    figures = []
     for (mode, overlap), done in runs.items():
         who = f"w1.{mode}{'+overlap' if overlap else ''}"
         figures.append(
@@ -135,3 +190,40 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
             )
         )
     return figures
+
+
+# -- the worker's side of the exchange figures: runs in the worker's host ---------------------------------------------
+
+
+def _exchange_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python bench/link.py exchange")
+    parser.add_argument("--address", default="shard-0:50051")
+    parser.add_argument("--numel", type=int, required=True)
+    parser.add_argument("--repeats", type=int, required=True)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--push-in-turn", choices=("on", "off"), required=True)
+    args = parser.parse_args(argv)
+    import torch
+
+    from bench.transport import dense_tensors
+    from worker import PSClient
+
+    torch.set_num_threads(1)
+    model = {name: torch.randn(n) for name, n in dense_tensors(args.numel)}
+    grads = {name: torch.full_like(t, 1e-3) for name, t in model.items()}
+    with PSClient(args.address, dtype=args.dtype, shared_memory=False, push_in_turn=args.push_in_turn == "on") as c:
+        c.register(model)
+        ms = []
+        for i in range(1 + args.repeats):  # the first one is a warm-up
+            t0 = time.perf_counter()
+            c.push_pull(grads)
+            if i:
+                ms.append((time.perf_counter() - t0) * 1e3)
+    print(json.dumps({"ms": ms}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["exchange"]:
+        sys.exit("usage: python bench/link.py exchange --numel N --repeats R [--dtype bf16] --push-in-turn on|off")
+    sys.exit(_exchange_main(sys.argv[2:]))

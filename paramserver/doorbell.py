@@ -29,6 +29,7 @@ the connection stays in step); a frame it cannot parse ends the connection.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import ssl
@@ -375,6 +376,13 @@ def tcp_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _is_loopback(host: str) -> bool:
+    address = ipaddress.ip_address(host.partition("%")[0])  # an IPv6 peer may carry a zone
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
 def split_host(address: str) -> str:
     """The host of "host:port" or "[v6]:port"."""
     host = address.rpartition(":")[0] or address
@@ -405,6 +413,8 @@ class DoorbellClient:
         try:
             self._sock.settimeout(timeout)
             connect()
+            # A peer on this host's loopback (or a Unix socket) is reached through memory copies, not a link.
+            self.loopback = self._sock.family == socket.AF_UNIX or _is_loopback(self._sock.getpeername()[0])
             if tls is not None:
                 self._sock = tls.wrap_socket(self._sock, server_hostname=server_hostname or address[0])
             self.send(hello, timeout)

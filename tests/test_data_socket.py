@@ -286,6 +286,79 @@ def test_a_shard_on_ipv6_serves_its_data_socket(ps_cluster_factory: Callable[...
         assert client._bells[0]._sock.getpeername()[:2] == ("::1", cluster.servers[0].data_port)
 
 
+def _timed_sends(client: PSClient, delay: float = 0.0, fail_first: bool = False) -> list[tuple[int, float, float]]:
+    """Record (shard, start, end) of every gradient the client's data sockets send from now on; shard 0's first
+    one is held `delay` seconds before it goes out, or fails as a lost connection with `fail_first`."""
+    sends: list[tuple[int, float, float]] = []
+    for k, bell in enumerate(client._bells):
+        assert bell is not None
+        real = bell.send
+
+        def send(request, timeout, arrays=(), dtype=FLOAT32, k=k, real=real):  # noqa: ANN001, ANN202
+            start = time.monotonic()
+            if arrays and k == 0 and not any(s[0] == 0 for s in sends):
+                time.sleep(delay)
+                if fail_first:
+                    sends.append((k, start, time.monotonic()))
+                    raise ConnectionResetError("cut off by the test")
+            real(request, timeout, arrays, dtype)
+            if arrays:
+                sends.append((k, start, time.monotonic()))
+
+        bell.send = send  # type: ignore[method-assign]
+    return sends
+
+
+@pytest.mark.parametrize("push_in_turn", [True, None], ids=["in-turn", "auto-on-loopback"])
+def test_pushes_in_turn_go_out_one_shard_after_the_other(
+    ps_cluster_factory: Callable[..., LocalCluster], push_in_turn: bool | None
+) -> None:
+    cluster = ps_cluster_factory(_config(), shards=2)
+    model = _big_model()  # each shard's part is over 1 MiB: sent from a thread of its own
+    start, grads = _clone(model), [_like(model, s) for s in (1, 2)]
+    with _client(cluster, push_in_turn=push_in_turn) as client:
+        client.register(model)
+        client.push_pull(_clone(grads[0]))
+        assert all(b is not None and b.loopback for b in client._bells)
+        sends = _timed_sends(client, delay=0.3)
+        g = _clone(grads[1])
+        assert client.push_pull(g) == 2
+        _equal(g, _local_sgd(start, grads, 0.1))
+    (_, start0, end0), (_, start1, _) = sorted(sends)
+    if push_in_turn:
+        assert start1 >= end0, "shard 1's gradient went out before shard 0's was sent"
+    else:  # a loopback address: copies, not a link, are the limit, so every shard's push goes at once
+        assert start1 < end0 - 0.2, "shard 1 waited for shard 0's turn on a loopback address"
+
+
+def test_a_push_that_fails_in_its_turn_holds_no_other_shard_back(
+    ps_cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    cluster = ps_cluster_factory(_config(), shards=2)
+    model = _big_model()
+    start, grads = _clone(model), [_like(model, s) for s in (1, 2)]
+    with _client(cluster, push_in_turn=True) as client:
+        client.register(model)
+        client.push_pull(_clone(grads[0]))
+        sends = _timed_sends(client, fail_first=True)
+        began = time.monotonic()
+        g = _clone(grads[1])
+        assert client.push_pull(g) == 2  # shard 0 attached again and was retried; its push applied once
+        assert time.monotonic() - began < 5.0, "shard 1 waited out the turn's safety limit"
+        _equal(g, _local_sgd(start, grads, 0.1))
+    assert [s[0] for s in sorted(sends, key=lambda s: s[1])][:2] == [0, 1]
+    assert [s.version for s in cluster.shards] == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("127.3.4.5", True), ("::1", True), ("::ffff:127.0.0.1", True), ("10.213.77.20", False)]
+    + [("::ffff:10.0.0.1", False), ("fe80::1%eth0", False), ("2001:db8::1", False)],
+)
+def test_a_peer_is_on_a_loopback_address(host: str, loopback: bool) -> None:
+    assert doorbell._is_loopback(host) is loopback
+
+
 # -- 2. raw frames over TCP ------------------------------------------------------------------------------------------
 
 

@@ -138,6 +138,25 @@ class _OnGrpc:
     told: str = ""
 
 
+class _Turns:
+    """The pushes of one exchange over data sockets, one shard at a time in shard order: shard k sends its gradient
+    once shard k-1 has sent its own (or failed to, or did not need to). Over a link, two pushes at once share it
+    and both end late, and only then do the weights come back; in turn, shard k-1's weights come down while shard
+    k's gradient goes up (full duplex): 25 MB push_pull on 2 shards over 400 Mbit/s, 0.81 s against 0.99 s. It
+    orders what enters the socket buffers, so it pays for parts larger than those (a few MB)."""
+
+    def __init__(self, shards: int, limit: float) -> None:
+        self._sent = [threading.Event() for _ in range(shards)]
+        self._limit = limit  # a safety net: a turn is an ordering hint, never a reason to hang
+
+    def wait(self, k: int) -> None:
+        if k > 0:
+            self._sent[k - 1].wait(self._limit)
+
+    def done(self, k: int) -> None:
+        self._sent[k].set()
+
+
 @dataclass
 class _Binding:
     """How one model's tensors map onto the shards' pieces (computed once per model object)."""
@@ -206,6 +225,11 @@ class PSClient:
     through their data socket, raw bytes over TCP (`data_socket=False` turns that off); the rest through gRPC:
     one unary call per step for a small model, else Push and Pull streams. `dtype` ('float32', 'bf16', 'fp16')
     is the element type on the network; shared memory always holds float32.
+
+    `push_in_turn`: push a large model's parts to the data sockets one shard after the other, so that one shard's
+    weights come back while the next one's gradient goes out (True), or to all at once (False); None (the
+    default): in turn for shards reached over a network, where a link is the limit, at once for a shard on a
+    loopback address, where memory copies on several cores are.
     """
 
     def __init__(
@@ -226,12 +250,14 @@ class PSClient:
         auth_token: str | None = None,
         shared_memory: bool = True,
         data_socket: bool = True,
+        push_in_turn: bool | None = None,
     ) -> None:
         self.worker_id = worker_id or uuid.uuid4().hex
         # Offer each shard a shared-memory segment; shards on other hosts refuse it and get the data socket (or,
         # where they serve none or it cannot be reached, the gRPC streams).
         self.shared_memory = shared_memory and shm.available()
         self.data_socket = data_socket
+        self.push_in_turn = push_in_turn
         self._credentials = channel_credentials(tls_ca, tls_cert, tls_key)
         self._tls = client_ssl_context(tls_ca, tls_cert, tls_key)
         self._tls_server_name = tls_server_name
@@ -490,8 +516,9 @@ class PSClient:
         """Push `grads` (if given), then pull (if asked), on every shard at once; return the lowest version."""
         flats = [b.flat(i) for i in range(len(b.tensors))] if pull else None
         bases = list(self.versions)
+        turns = _Turns(len(self.addresses), self.timeout)
         try:
-            versions = self._fan_out(lambda k: self._start(b, k, grads, step, flats))
+            versions = self._fan_out(lambda k: self._start(b, k, grads, step, flats, turns))
         except PullTimeout:
             if grads is not None:
                 # A shard waits to answer a pull only once it has taken the push (or found its round closed), so
@@ -508,16 +535,27 @@ class PSClient:
         return min(versions)
 
     def _start(
-        self, b: _Binding, k: int, grads: list[np.ndarray] | None, step: int, flats: list[np.ndarray] | None
+        self,
+        b: _Binding,
+        k: int,
+        grads: list[np.ndarray] | None,
+        step: int,
+        flats: list[np.ndarray] | None,
+        turns: _Turns,
     ) -> Callable[[], int]:
         """Begin shard k's part of an exchange; return a function that waits for it and returns its version."""
-        link = self._link(b, k)
+        try:
+            link = self._link(b, k)
+        except BaseException:
+            turns.done(k)
+            raise
+        if isinstance(link, DoorbellClient):
+            return self._socket(b, k, link, grads, step, flats, turns)
+        turns.done(k)  # only data sockets take turns
         if link is None:
             if b.placement.shard_elements(k) * itemsize(self.dtype) <= INLINE_BYTES:
                 return self._inline(b, k, grads, step, flats)
             return self._pool.submit(self._streams, b, k, grads, step, flats).result
-        if isinstance(link, DoorbellClient):
-            return self._socket(b, k, link, grads, step, flats)
         segment = link
         base = self.versions[k]
         if grads is not None:
@@ -543,9 +581,10 @@ class PSClient:
         grads: list[np.ndarray] | None,
         step: int,
         flats: list[np.ndarray] | None,
+        turns: _Turns,
     ) -> Callable[[], int]:
         """Shard k's part of an exchange over its data socket: the gradient goes out of the model's own memory and
-        the weights land straight in it."""
+        the weights land straight in it. A large push waits for its turn (see `push_in_turn`)."""
         base = self.versions[k]
         req = self._exchange_request(b, k, grads is not None, step, flats is not None)
         req.dtype = self.dtype
@@ -565,11 +604,20 @@ class PSClient:
             return self._answered(b, k, reply, base, grads is not None, flats is not None)
 
         if b.placement.shard_elements(k) * itemsize(self.dtype) <= INLINE_BYTES:
-            send()  # a small part fits the socket buffers: ring every shard from this thread, then collect
+            try:
+                send()  # a small part fits the socket buffers: ring every shard from this thread, then collect
+            finally:
+                turns.done(k)
             return finish
+        in_turn = self.push_in_turn if self.push_in_turn is not None else not bell.loopback
 
         def exchange() -> int:
-            send()
+            if in_turn and grads is not None:
+                turns.wait(k)
+            try:
+                send()
+            finally:
+                turns.done(k)
             return finish()
 
         # A large part, pushed or pulled: the whole exchange in one thread per shard (shard 0 in the caller's), so

@@ -64,6 +64,13 @@ class TrainConfig:
         "control); off, or where a shard serves none or its port is closed: gRPC streams (the data socket is "
         "tried again after 30 s, then less and less often)",
     )
+    push_in_turn: str = config_field(
+        "auto",
+        "push a large model's parts to the shards' data sockets one shard after the other, so one shard's weights "
+        "come back while the next one's gradient goes out (25 MB over 400 Mbit/s: 0.81 s against 0.99 s a step); "
+        "auto: for shards reached over a network, not for a loopback address (copies, not a link, are the limit)",
+        choices=("auto", "on", "off"),
+    )
     overlap: bool = config_field(
         False,
         "async and ssp jobs: send each step's gradient and receive the next weights while the next step computes, "
@@ -223,6 +230,7 @@ def train(
         dtype=config.wire_dtype,
         shared_memory=config.shared_memory,
         data_socket=config.data_socket,
+        push_in_turn={"auto": None, "on": True, "off": False}[config.push_in_turn],
         timeout=config.timeout,
         tls_ca=config.tls_ca,
         tls_cert=config.tls_cert,
