@@ -4,7 +4,9 @@ The shards and the worker run on hosts of their own: network namespaces on a bri
 lab of the multi-host tests), with the worker's link limited both ways by a tbf token bucket (`Plan.link_rate`).
 
 - Exchange: one worker's push_pull of a dense model (`Plan.link_payload`) against 2 shards, its pushes to the data
-  sockets in turn and at once, float32 and bf16 (`python bench/link.py exchange ...` runs in the worker's host).
+  sockets in turn and at once, float32 and bf16 (`python bench/link.py exchange ...` runs in the worker's host);
+  against gloo's all_reduce of the same tensor between two such workers (both links limited alike: what DDP pays
+  per step there; `python bench/link.py gloo ...`).
 - Training: one worker trains the CNN on digits against 2 shards in async mode, without and with --overlap; each
   run gets fresh shards (started with --exit-when-done, so they end with the run).
 
@@ -87,18 +89,49 @@ def _exchange_once(lab: Any, work: Path, plan: Plan, wire: str, in_turn: bool) -
     return json.loads(out.read_text().strip().splitlines()[-1])["ms"]
 
 
+def _gloo_once(lab: Any, work: Path, plan: Plan) -> list[float]:
+    """Milliseconds of each timed all_reduce of rank 0, ranks in worker-0 and worker-1."""
+    procs = []
+    for rank in (0, 1):
+        argv = [
+            sys.executable, str(Path(__file__).resolve()), "gloo", "--rank", str(rank), "--numel",
+            str(plan.link_payload), "--repeats", str(plan.repeats),
+        ]  # fmt: skip
+        env = {"PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "eth0"}  # the lab's link, not loopback
+        procs.append(lab.popen(f"worker-{rank}", argv, work / f"gloo-{rank}.log", env=env))
+    for rank, proc in enumerate(procs):
+        if proc.wait(timeout=TIMEOUT) != 0:
+            raise RuntimeError(f"gloo rank {rank} failed:\n{(work / f'gloo-{rank}.log').read_text()[-2000:]}")
+    return json.loads((work / "gloo-0.log").read_text().strip().splitlines()[-1])["ms"]
+
+
 def _exchange_figures(lab: Any, work: Path, plan: Plan) -> list[Figure]:
-    """The push_pull of `Plan.link_payload` parameters over the link, in turn and at once (interleaved)."""
+    """The push_pull of `Plan.link_payload` parameters over the link, in turn and at once, and gloo's all_reduce of
+    the same bytes (interleaved)."""
     times: dict[tuple[str, bool], list[float]] = {w: [] for w in WIRES}
+    gloo: list[float] = []
     _start_shards(lab, work, "sync", "--optimizer", "sgd")
     try:
         for _ in range(plan.train_repeats):
+            gloo += _gloo_once(lab, work, plan)
             for wire, in_turn in WIRES:
                 times[(wire, in_turn)] += _exchange_once(lab, work, plan, wire, in_turn)
     finally:
         lab.stop_all()
     label = f"{plan.link_payload * 4 / 1e6:g}MB"
-    figures = []
+    gloo_id = f"{SECTION}.gloo.{label}"
+    log(f"link {plan.link_rate} gloo all_reduce {label}: {median(gloo):.1f} ms")
+    figures = [
+        Figure(
+            id=gloo_id,
+            section=SECTION,
+            title=f"gloo all_reduce of {label} between 2 workers, each on a {plan.link_rate} link",
+            unit="ms",
+            repeats=[round(x, 2) for x in gloo],
+            params={"payload": label, "rate": plan.link_rate, "workers": 2},
+            warmup=1,
+        )
+    ]
     for (wire, in_turn), ms in times.items():
         way = "in-turn" if in_turn else "at-once"
         log(f"link {plan.link_rate} push_pull {label} {wire}, pushes {way}: {median(ms):.1f} ms")
@@ -111,7 +144,7 @@ def _exchange_figures(lab: Any, work: Path, plan: Plan) -> list[Figure]:
                 repeats=[round(x, 2) for x in ms],
                 params={"payload": label, "wire": wire, "in_turn": in_turn, "rate": plan.link_rate, "shards": 2},
                 warmup=1,
-                compare=[f"{SECTION}.step.{label}.s2.w1.{wire}.at-once"] if in_turn else [],
+                compare=[gloo_id, *([f"{SECTION}.step.{label}.s2.w1.{wire}.at-once"] if in_turn else [])],
             )
         )
     return figures
@@ -150,7 +183,8 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
     netlab.cleanup_stale()
     runs: dict[tuple[str, bool], list[dict[str, Any]]] = {s: [] for s in SETUPS}
     with netlab.Lab() as lab, tempfile.TemporaryDirectory(prefix="ps-bench-link-") as tmp:
-        lab.limit_bandwidth("worker-0", rate=plan.link_rate, burst="256kb", latency="100ms")
+        for host in ("worker-0", "worker-1"):  # worker-1 runs only gloo's second rank
+            lab.limit_bandwidth(host, rate=plan.link_rate, burst="256kb", latency="100ms")
         figures = _exchange_figures(lab, Path(tmp), plan)
         for _ in range(plan.train_repeats):
             for mode, overlap in SETUPS:  # interleaved, so that the machine's drift weighs on both
@@ -223,7 +257,40 @@ def _exchange_main(argv: list[str]) -> int:
     return 0
 
 
+def _gloo_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python bench/link.py gloo")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--master", default="worker-0:29500")
+    parser.add_argument("--numel", type=int, required=True)
+    parser.add_argument("--repeats", type=int, required=True)
+    args = parser.parse_args(argv)
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=2, timeout=timedelta(seconds=TIMEOUT)
+    )
+    try:
+        t = torch.full((args.numel,), 0.5)
+        ms = []
+        for i in range(1 + args.repeats):  # the first one is a warm-up
+            dist.barrier()  # both ranks start each all_reduce together
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            if i:
+                ms.append((time.perf_counter() - t0) * 1e3)
+            t.mul_(0.5)
+    finally:
+        dist.destroy_process_group()
+    print(json.dumps({"ms": ms}), flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["exchange"]:
-        sys.exit("usage: python bench/link.py exchange --numel N --repeats R [--dtype bf16] --push-in-turn on|off")
-    sys.exit(_exchange_main(sys.argv[2:]))
+    roles = {"exchange": _exchange_main, "gloo": _gloo_main}
+    if sys.argv[1:2] == [] or sys.argv[1] not in roles:
+        sys.exit("usage: python bench/link.py exchange|gloo ... (run by the link section, in the lab's hosts)")
+    sys.exit(roles[sys.argv[1]](sys.argv[2:]))

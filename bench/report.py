@@ -348,17 +348,22 @@ def _link(ix: _Index) -> list[str]:
     ]
     steps = [f for f in figs if f["id"].startswith("link.step.")]
     if steps:
-        rows = [
-            [
-                f["params"]["payload"],
-                f["params"]["wire"],
-                "in turn" if f["params"]["in_turn"] else "at once",
-                fmt(f["median"]),
-                fmt(next(iter(f.get("ratios", {}).values()), None), "x") if f["params"]["in_turn"] else "",
-            ]
-            for f in steps
-        ]
-        lines += [*_table(["push_pull", "wire", "pushes", "ms", "× at once"], rows), ""]
+        gloo = next((f for f in figs if f["id"].startswith("link.gloo.")), None)
+        rows = [["all_reduce (gloo, 2 workers)", "float32", "", fmt(gloo["median"]), "", ""]] if gloo else []
+        for f in steps:
+            p, ratios = f["params"], f.get("ratios", {})
+            at_once = next((r for b, r in ratios.items() if b.endswith(".at-once")), None)
+            rows.append(
+                [
+                    f"push_pull {p['payload']}",
+                    p["wire"],
+                    "in turn" if p["in_turn"] else "at once",
+                    fmt(f["median"]),
+                    fmt(at_once, "x") if at_once is not None else "",
+                    fmt(next((r for b, r in ratios.items() if b.startswith("link.gloo.")), None), "x"),
+                ]
+            )
+        lines += [*_table(["exchange", "wire", "pushes", "ms", "× at once", "× gloo"], rows), ""]
     runs = [f for f in figs if f["id"].startswith("link.sps.")]
     if runs:
         rows = []
@@ -467,9 +472,13 @@ def summary(doc: Doc) -> str:
     for f in ix.section("link"):
         p = f["params"]
         if f["id"].startswith("link.step.") and p["in_turn"]:
-            r = next(iter(f.get("ratios", {}).values()), None)
-            what = f"{p['payload']} push_pull over a {p['rate']} link, 2 shards, {p['wire']}, pushes in turn ÷ at once"
-            row(what, r, "x", "", None)
+            ratios = f.get("ratios", {})
+            at_once = next((r for b, r in ratios.items() if b.endswith(".at-once")), None)
+            where = f"{p['payload']} push_pull, 2 shards, 1 worker, {p['rate']} link, {p['wire']}, pushes in turn"
+            row(f"{where} ÷ at once", at_once, "x", "", None)
+            gloo = next((r for b, r in ratios.items() if b.startswith("link.gloo.")), None)
+            limit = 0.6 if p["wire"] == "bf16" else 1.0
+            row("the same ÷ gloo all_reduce over such links", gloo, "x", f"≤ {limit}x", check(gloo, limit))
     fid = "link.sps.cnn.w1.async+overlap"
     if ix.get(fid) is not None:
         rate = ix.get(fid)["params"]["rate"]  # type: ignore[index]
