@@ -29,12 +29,16 @@ the connection stays in step); a frame it cannot parse ends the connection.
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import logging
 import socket
 import ssl
 import struct
+import sys
+import termios
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +60,7 @@ _SEND_CHUNK = 8 << 20  # float32 payloads go out as views of this many bytes (th
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 HANDSHAKE_TIMEOUT = 10.0
 _MAX_PARTS = 512  # buffers per sendmsg(), well under the system's IOV_MAX (1024 on Linux)
+DRAIN_POLL_S = 0.0005  # how often `drain` asks the kernel: a fraction of a 1 MB part's time on a 10 Gbit/s link
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> bool:
@@ -74,6 +79,24 @@ def _recv_into(sock: socket.socket, view: memoryview) -> bool:
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     buf = bytearray(n)
     return bytes(buf) if _recv_into(sock, memoryview(buf)) else None  # n == 0: an empty read succeeds
+
+
+def drain(sock: socket.socket, below: int, limit: float) -> bool:
+    """Wait until fewer than `below` bytes sent on a TCP socket are still unacknowledged by the peer; False if that
+    took over `limit` seconds (or the system cannot tell: no wait then). `sendall` returns once the kernel holds the
+    bytes, which for a payload up to the socket's buffer (a few MB) is before most of them have crossed the link."""
+    deadline = time.monotonic() + limit
+    queued = bytearray(4)
+    while True:
+        try:
+            fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, queued)
+        except OSError:
+            return False
+        if int.from_bytes(queued, sys.byteorder) < below:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(DRAIN_POLL_S)
 
 
 def payload_bytes(arrays: Sequence[np.ndarray], dtype: int) -> int:
@@ -435,6 +458,10 @@ class DoorbellClient:
         self._sock.settimeout(timeout + 5.0)  # the shard gives up at `timeout`; the socket a little later
         body = request.SerializeToString()
         send_frame(self._sock, _REQUEST.pack(len(body), timeout, payload_bytes(arrays, dtype)) + body, arrays, dtype)
+
+    def drain(self, below: int, limit: float) -> None:
+        """Wait until fewer than `below` bytes sent are still unacknowledged by the shard (see `drain`)."""
+        drain(self._sock, below, limit)
 
     def receive(self, targets: Sequence[np.ndarray] = (), dtype: int = FLOAT32) -> ps_pb2.ExchangeResponse:
         """The answer to the last `send` (its payload written into `targets`), or the PSError the shard refused

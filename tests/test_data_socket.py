@@ -309,6 +309,21 @@ def _timed_sends(client: PSClient, delay: float = 0.0, fail_first: bool = False)
     return sends
 
 
+def _timed_drains(client: PSClient) -> list[tuple[int, float]]:
+    """Record (shard, end) of every wait for a push's bytes to be taken (a turn's end) from now on."""
+    drains: list[tuple[int, float]] = []
+    for k, bell in enumerate(client._bells):
+        assert bell is not None
+        real = bell.drain
+
+        def drain(below: int, limit: float, k: int = k, real: Callable[[int, float], None] = real) -> None:
+            real(below, limit)
+            drains.append((k, time.monotonic()))
+
+        bell.drain = drain  # type: ignore[method-assign]
+    return drains
+
+
 @pytest.mark.parametrize("push_in_turn", [True, None], ids=["in-turn", "auto-on-loopback"])
 def test_pushes_in_turn_go_out_one_shard_after_the_other(
     ps_cluster_factory: Callable[..., LocalCluster], push_in_turn: bool | None
@@ -320,15 +335,18 @@ def test_pushes_in_turn_go_out_one_shard_after_the_other(
         client.register(model)
         client.push_pull(_clone(grads[0]))
         assert all(b is not None and b.loopback for b in client._bells)
-        sends = _timed_sends(client, delay=0.3)
+        sends, drains = _timed_sends(client, delay=0.3), _timed_drains(client)
         g = _clone(grads[1])
         assert client.push_pull(g) == 2
         _equal(g, _local_sgd(start, grads, 0.1))
     (_, start0, end0), (_, start1, _) = sorted(sends)
     if push_in_turn:
-        assert start1 >= end0, "shard 1's gradient went out before shard 0's was sent"
+        # Shard 1's turn begins once shard 0 has taken its gradient, not merely once the kernel holds it.
+        assert [k for k, _ in drains] == [0, 1]
+        assert end0 <= drains[0][1] <= start1, "shard 1's gradient went out before shard 0's was taken"
     else:  # a loopback address: copies, not a link, are the limit, so every shard's push goes at once
         assert start1 < end0 - 0.2, "shard 1 waited for shard 0's turn on a loopback address"
+        assert drains == []
 
 
 def test_a_push_that_fails_in_its_turn_holds_no_other_shard_back(
@@ -348,6 +366,36 @@ def test_a_push_that_fails_in_its_turn_holds_no_other_shard_back(
         _equal(g, _local_sgd(start, grads, 0.1))
     assert [s[0] for s in sorted(sends, key=lambda s: s[1])][:2] == [0, 1]
     assert [s.version for s in cluster.shards] == [2, 2]
+
+
+def test_drain_waits_until_the_peer_has_taken_the_bytes() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sender = socket.create_connection(listener.getsockname())
+        peer, _ = listener.accept()
+        with sender, peer:
+            assert doorbell.drain(sender, 1, 1.0)  # nothing sent: nothing to wait for
+            sender.setblocking(False)
+            sent = 0
+            with contextlib.suppress(BlockingIOError):
+                while sent < 8 << 20:
+                    sent += sender.send(bytes(1 << 16))
+            sender.setblocking(True)
+            began = time.monotonic()
+            assert not doorbell.drain(sender, 64 * 1024, 0.3), "the peer has read nothing, yet drain returned"
+            assert time.monotonic() - began >= 0.3
+            got = 0
+
+            def read() -> None:
+                nonlocal got
+                while got < sent:
+                    got += len(peer.recv(1 << 20))
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            assert doorbell.drain(sender, 64 * 1024, 10.0)
+            reader.join(10)
+            assert got == sent > 64 * 1024
 
 
 @pytest.mark.parametrize(

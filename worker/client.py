@@ -93,6 +93,8 @@ CONNECT_S = 5.0  # how long connecting to a data socket may take before the work
 # for CONNECT_S ever more rarely.
 RETRY_LINK_S = 30.0
 RETRY_LINK_MAX_S = 900.0
+# A push waiting for its turn starts once the push before it has fewer bytes than this unacknowledged by its shard.
+TURN_BELOW = 64 * 1024
 
 
 def channel_options(max_message_bytes: int = 4 * 1024 * 1024 + 4096) -> list[tuple[str, Any]]:
@@ -140,10 +142,10 @@ class _OnGrpc:
 
 class _Turns:
     """The pushes of one exchange over data sockets, one shard at a time in shard order: shard k sends its gradient
-    once shard k-1 has sent its own (or failed to, or did not need to). Over a link, two pushes at once share it
-    and both end late, and only then do the weights come back; in turn, shard k-1's weights come down while shard
-    k's gradient goes up (full duplex): 25 MB push_pull on 2 shards over 400 Mbit/s, 0.81 s against 0.99 s. It
-    orders what enters the socket buffers, so it pays for parts larger than those (a few MB)."""
+    once shard k-1's has been taken by its shard but for the last TURN_BELOW bytes (or failed, or did not need a
+    turn). Over a link, two pushes at once share it and both end late, and only then do the weights come back; in
+    turn, shard k-1's weights come down while shard k's gradient goes up (full duplex): over 400 Mbit/s, 25 MB
+    push_pull on 2 shards 0.82 s against 1.01 s, 4 MB 118 against 144 ms."""
 
     def __init__(self, shards: int, limit: float) -> None:
         self._sent = [threading.Event() for _ in range(shards)]
@@ -616,6 +618,8 @@ class PSClient:
                 turns.wait(k)
             try:
                 send()
+                if in_turn and grads is not None:
+                    bell.drain(TURN_BELOW, self.timeout)  # its bytes on their way, not just in the kernel's buffer
             finally:
                 turns.done(k)
             return finish()

@@ -67,7 +67,7 @@ class TrainConfig:
     push_in_turn: str = config_field(
         "auto",
         "push a large model's parts to the shards' data sockets one shard after the other, so one shard's weights "
-        "come back while the next one's gradient goes out (25 MB over 400 Mbit/s: 0.81 s against 0.99 s a step); "
+        "come back while the next one's gradient goes out (25 MB over 400 Mbit/s: 0.82 s against 1.01 s a step); "
         "auto: for shards reached over a network, not for a loopback address (copies, not a link, are the limit)",
         choices=("auto", "on", "off"),
     )
