@@ -611,15 +611,15 @@ class PSClient:
             finally:
                 turns.done(k)
             return finish
-        in_turn = self.push_in_turn if self.push_in_turn is not None else not bell.loopback
+        in_turn = grads is not None and (self.push_in_turn if self.push_in_turn is not None else not bell.loopback)
 
         def exchange() -> int:
-            if in_turn and grads is not None:
+            if in_turn:
                 turns.wait(k)
             try:
                 send()
-                if in_turn and grads is not None:
-                    bell.drain(TURN_BELOW, self.timeout)  # its bytes on their way, not just in the kernel's buffer
+                if in_turn and k + 1 < len(self.addresses):  # the next shard's turn: once these bytes have crossed
+                    bell.drain(TURN_BELOW, self.timeout)
             finally:
                 turns.done(k)
             return finish()
