@@ -152,11 +152,15 @@ class _Turns:
         self._limit = limit  # a safety net: a turn is an ordering hint, never a reason to hang
 
     def wait(self, k: int) -> None:
-        if k > 0:
+        if 0 < k < len(self._sent):
             self._sent[k - 1].wait(self._limit)
 
     def done(self, k: int) -> None:
-        self._sent[k].set()
+        if k < len(self._sent):
+            self._sent[k].set()
+
+
+_NO_TURNS = _Turns(0, 0.0)  # an exchange with no part large enough to take turns (no events to make: a small model)
 
 
 @dataclass
@@ -167,6 +171,10 @@ class _Binding:
     tensors: list[torch.Tensor]
     placement: Placement
     host: list[torch.Tensor | None]  # a CPU float32 mirror for tensors that are not CPU-contiguous
+    largest_part: int = 0  # elements of the largest shard's part
+
+    def __post_init__(self) -> None:
+        self.largest_part = max(self.placement.shard_elements(k) for k in range(self.placement.num_shards))
 
     def flat(self, i: int, tensor: torch.Tensor | None = None) -> np.ndarray:
         """A float32 numpy view of tensor i (or of `tensor`, shaped like it), via the mirror if needed."""
@@ -518,7 +526,8 @@ class PSClient:
         """Push `grads` (if given), then pull (if asked), on every shard at once; return the lowest version."""
         flats = [b.flat(i) for i in range(len(b.tensors))] if pull else None
         bases = list(self.versions)
-        turns = _Turns(len(self.addresses), self.timeout)
+        large = b.largest_part * itemsize(self.dtype) > INLINE_BYTES
+        turns = _Turns(len(self.addresses), self.timeout) if grads is not None and large else _NO_TURNS
         try:
             versions = self._fan_out(lambda k: self._start(b, k, grads, step, flats, turns))
         except PullTimeout:
