@@ -44,7 +44,7 @@ def _backward(model: torch.nn.Module, scale: float) -> Tensors:
     """Fill .grad through a real backward; return the gradient it produced."""
     model.zero_grad(set_to_none=False)
     (scale * model(torch.ones(2, 4)).sum()).backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def test_each_step_sends_its_own_gradient_and_takes_the_previous_exchanges_weights():
@@ -92,6 +92,21 @@ def test_storages_take_turns_with_no_new_tensor_after_the_first_steps():
     assert len(distinct) == 3
     for d in exchange.dicts:
         assert all(d[n] is distinct[id(d)][n] for n in d)
+
+
+def test_a_frozen_parameter_is_exchanged_too_so_the_servers_see_the_registered_model(ps_cluster_factory):
+    cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="sgd", lr=0.1), shards=2)
+    model = _model()
+    model.bias.requires_grad_(False)
+    bias = model.bias.detach().clone()
+    with PSClient(cluster.address) as client, Overlap(model, client.push_pull) as overlap:
+        client.register(model)
+        for _ in range(3):
+            _backward(model, 1.0)
+            overlap.step()
+        overlap.finish()
+        assert client.versions == [3, 3]
+    assert torch.equal(model.bias.detach(), bias)  # pushed as zeros: SGD leaves it as it was
 
 
 def test_a_parameter_without_a_gradient_sends_zeros():

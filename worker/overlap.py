@@ -36,9 +36,10 @@ class Overlap(Generic[T]):
     """
 
     def __init__(self, model: torch.nn.Module, exchange: Exchange[T]) -> None:
-        self._params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        # Every parameter, as PSClient registers them (a frozen one sends zeros), so the dicts are the model's.
+        self._params = list(model.named_parameters())
         if not self._params:
-            raise ValueError("the model has no trainable parameters")
+            raise ValueError("the model has no parameters")
         self._exchange = exchange
         self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-overlap")
         # Each set of storages is one dict of tensors, the same objects from step to step (so the client binds each
