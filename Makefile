@@ -6,10 +6,10 @@ STAMP := $(VENV)/.installed
 MODE ?= sync
 SHARDS ?= 2
 WORKERS ?= 2
-PORT ?= 50051
+PORT ?= 0
 DEMO_ARGS ?=
 
-.PHONY: install demo test lint proto clean bench deploy-check image image-test netns-test netns-clean
+.PHONY: install demo test lint proto clean bench deploy-check image image-test netns-test netns-clean monitoring-test
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,7 +61,15 @@ image-test: $(STAMP)
 ## netns-test: multi-host tests on network namespaces (root; builds and removes its own psnt<pid>-* namespaces)
 netns-test: $(STAMP)
 	@command -v nft >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y nftables; }
-	PS_MULTIHOST=1 $(PY) -m pytest tests/test_multihost.py -v -s
+	PS_MULTIHOST=1 $(PY) -m pytest tests/test_multihost.py tests/test_bench_link.py -v -s
+
+## monitoring-test: promtool checks and unit-tests deploy/monitoring/alerts.yml; a real Prometheus scrapes a live
+## 2-shard job (tests/test_monitoring.py). Installs Debian's prometheus package if prometheus/promtool are missing.
+monitoring-test: $(STAMP)
+	@{ command -v prometheus >/dev/null && command -v promtool >/dev/null; } || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus; }
+	promtool check rules deploy/monitoring/alerts.yml
+	cd deploy/monitoring && promtool test rules alerts.test.yml
+	PS_MONITORING=1 $(PY) -m pytest tests/test_monitoring.py -v -s
 
 ## netns-clean: remove namespaces and /etc/netns folders left by a crashed netns-test
 netns-clean:

@@ -11,9 +11,9 @@ import threading
 from collections.abc import Sequence
 
 from paramserver import heap
-from paramserver.cluster import PORT_LINE, READY_LINE, LocalCluster
+from paramserver.cluster import ERROR_LINE, PORT_LINE, READY_LINE, LocalCluster
 from paramserver.config import ServerConfig, add_arguments, from_arguments
-from paramserver.server import ShardServer
+from paramserver.server import BindError, ShardServer
 from paramserver.shard import warm_up_optimizer
 
 log = logging.getLogger("paramserver")
@@ -85,16 +85,29 @@ def _advertised(host: str, advertise_host: str | None) -> str:
     return socket.gethostname() if host in ("0.0.0.0", "::", "[::]", "") else host
 
 
-def _wait_for_signal() -> threading.Event:
-    stop = threading.Event()
+class _Stop:
+    """Set by the first SIGINT or SIGTERM; the process says which once it acts on it (a shard told to stop
+    before it served says nothing: its parent says why)."""
 
-    def handler(signum: int, frame: object) -> None:
-        log.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal = ""
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
 
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-    return stop
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signal = self.signal or signal.Signals(signum).name
+        self.event.set()
+
+    def wait(self, timeout: float) -> bool:
+        return self.event.wait(timeout)
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def say(self, who: str = "") -> None:
+        if self.signal:
+            log.info("%sreceived %s, stopping", who, self.signal)
 
 
 def run_one_shard(args: argparse.Namespace, config: ServerConfig) -> int:
@@ -113,32 +126,39 @@ def run_one_shard(args: argparse.Namespace, config: ServerConfig) -> int:
         if not 0 <= index < len(peers):
             raise SystemExit(f"ps-server: --shard-index {index} is outside the {len(peers)} --peers")
         port = args.port if args.port is not None else int(peers[index].rsplit(":", 1)[1])
-    stop = _wait_for_signal()
+    stop = _Stop()
     # While the server is built and the peers are learnt: serve only once warm, so that no Init waits for it.
     warm = threading.Thread(target=warm_up_optimizer, args=(config,), name="optimizer-warm-up", daemon=True)
     warm.start()
-    server = ShardServer.create(config, index, args.host, port)
-    if args.peers_from_stdin:
-        print(f"{PORT_LINE} {server.port}", flush=True)
-        peers = sys.stdin.readline().strip().split(",")
-    warm.join()
     try:
+        server = ShardServer.create(config, index, args.host, port)
+        if args.peers_from_stdin:
+            print(f"{PORT_LINE} {server.port}", flush=True)
+            line = sys.stdin.readline()
+            if stop.is_set() or not line.strip():  # the parent gave up on the start (another shard failed)
+                return 0 if stop.is_set() else 2
+            peers = line.strip().split(",")
+        warm.join()
         server.start(peers)
-    except ValueError as exc:  # e.g. a checkpoint of another job in --checkpoint-dir
-        log.error("%s", exc)
+    except (BindError, ValueError) as exc:  # a port taken; a checkpoint of another job in --checkpoint-dir
+        if args.peers_from_stdin:  # started by ps-server --shards N (a LocalCluster): it says it, once
+            print(f"{ERROR_LINE} {exc}", flush=True)
+        else:
+            print(f"ps-server: {exc}", file=sys.stderr)
         return 2
     print(f"{READY_LINE} {server.port}", flush=True)
     while not stop.wait(0.5):
         if config.exit_when_done and server.shard.done.is_set():
             log.info("shard %d: training is done; stopping", index)
             break
+    stop.say(f"shard {index}: ")
     server.stop(grace=2.0)
     return 0
 
 
 def run_local_shards(args: argparse.Namespace, config: ServerConfig) -> int:
     """Start --shards shard processes, print their addresses, and stop them all on SIGINT/SIGTERM."""
-    stop = _wait_for_signal()
+    stop = _Stop()
     port = 50051 if args.port is None else args.port
     cluster = LocalCluster(
         config,
@@ -151,8 +171,8 @@ def run_local_shards(args: argparse.Namespace, config: ServerConfig) -> int:
     )
     try:
         cluster.start()
-    except (RuntimeError, TimeoutError) as exc:
-        log.error("%s", exc)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"ps-server: {exc}", file=sys.stderr)
         return 1
     for i, address in enumerate(cluster.addresses):
         print(f"shard {i}: {address}", flush=True)
@@ -169,6 +189,7 @@ def run_local_shards(args: argparse.Namespace, config: ServerConfig) -> int:
                 log.error("shard %d exited with status %d; stopping the others", i, code)
             status = 1
             break
+    stop.say()
     cluster.stop()
     return status
 

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 # What a shard subprocess prints on stdout, so the parent learns its port and when it serves.
 PORT_LINE = "PARAMSERVER-PORT"
 READY_LINE = "PARAMSERVER-READY"
+ERROR_LINE = "PARAMSERVER-ERROR"  # then why it cannot start (a port taken, ...), for the parent to say once
 
 
 def config_to_args(config: ServerConfig) -> list[str]:
@@ -159,6 +160,9 @@ class LocalCluster:
                 )
             if line.startswith(tag):
                 return line.split()[1]
+            if line.startswith(ERROR_LINE):
+                proc.wait()
+                raise RuntimeError(line[len(ERROR_LINE) :].strip())
         raise TimeoutError(f"shard process {proc.pid} did not report {tag} within the start timeout")
 
     def stop(self, grace: float = 1.0) -> None:
@@ -168,6 +172,8 @@ class LocalCluster:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+            if proc.stdin is not None:
+                proc.stdin.close()  # a shard still waiting for the peer list stops at once
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)

@@ -38,7 +38,7 @@ def add_arguments(group: argparse._ActionsContainer, cls: type) -> None:
                 dest=f.name,
                 action=argparse.BooleanOptionalAction,
                 default=f.default,
-                help=f.metadata["help"],
+                help=f"{f.metadata['help']} (default: {'on' if f.default else 'off'})",
             )
             continue
         text = f.metadata["help"]
@@ -121,7 +121,9 @@ class ServerConfig:
         None, "file holding a shared bearer token that every call but health checks must carry (default: no token)"
     )
     metrics_port: int | None = config_field(
-        None, "serve Prometheus metrics on this port (ps-server --shards N: shard i on port + i; default: none)"
+        None,
+        "serve Prometheus metrics on this port, on the --host address (ps-server --shards N: shard i on port + i; "
+        "default: none)",
     )
     shared_memory: bool = config_field(
         True,
@@ -171,6 +173,12 @@ class ServerConfig:
             raise ValueError(f"threads must be at least 1, not {self.threads}")
         if self.max_concurrent_pushes < 1:
             raise ValueError("max_concurrent_pushes must be at least 1")
+        from paramserver.bounds import declared  # the wire's bound: a longer name could never be named by a worker
+        from paramserver.v1.ps_pb2 import JoinRequest
+
+        limit = declared(JoinRequest.DESCRIPTOR.fields_by_name["job_name"])[0]
+        if limit is not None and len(self.job_name.encode()) > limit:
+            raise ValueError(f"job_name must be at most {limit} bytes (ps.proto's bound), not {len(self.job_name)}")
 
     def checkpoint_schedule(self) -> tuple[int, float]:
         """Return (every N versions, every N seconds) from checkpoint_every; 0 means never."""

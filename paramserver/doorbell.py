@@ -24,7 +24,9 @@ only. Frames, little-endian:
 
 A payload is the shard's pieces back to back (see Placement), in the dtype the ExchangeRequest names: the gradient
 on a push, the weights on a pull's reply. A shard refuses a payload of the wrong size (and reads it to the end, so
-the connection stays in step); a frame it cannot parse ends the connection.
+the connection stays in step); a frame it cannot parse ends the connection. A message with a field past its bound
+in ps.proto is refused INVALID_ARGUMENT (OutOfBounds): after a hello the connection then ends, after an Exchange it
+goes on.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from paramserver.errors import MalformedStream, PSError, TooLarge, from_status
+from paramserver import bounds
+from paramserver.errors import MalformedStream, PSError, TooLarge, Undecodable, from_status
 from paramserver.v1 import ps_pb2
 from paramserver.wire import CHUNK_BYTES, FLOAT32, decode_into, itemsize, iter_chunks
 
@@ -210,8 +213,13 @@ def _send_reply(sock: socket.socket, body: bytes, arrays: Sequence[np.ndarray] =
     send_frame(sock, _REPLY.pack(len(body), payload_bytes(arrays, dtype)) + body, arrays, dtype)
 
 
-def _read_request(conn: socket.socket, message: Any) -> tuple[float, Any, int] | None:
-    """(timeout, message, payload length) of the next request frame, or None at a clean end of stream."""
+# The frames' messages, decoded and checked against the bounds of ps.proto as the gRPC requests are.
+_HELLO = bounds.decoder(ps_pb2.AttachRequest, "Attach (socket hello)")
+_EXCHANGE = bounds.decoder(ps_pb2.ExchangeRequest, "Exchange (socket)")
+
+
+def _read_request(conn: socket.socket) -> tuple[float, bytes, int] | None:
+    """(timeout, message bytes, payload length) of the next request frame, or None at a clean end of stream."""
     head = _recv_exact(conn, _REQUEST.size)
     if head is None:
         return None
@@ -221,10 +229,16 @@ def _read_request(conn: socket.socket, message: Any) -> tuple[float, Any, int] |
     body = _recv_exact(conn, length)
     if body is None:
         raise ConnectionError("frame cut off")
+    return timeout, body, payload
+
+
+def _decode(decode: Callable[[bytes], Any], body: bytes) -> Any:
+    """A frame's message; OutOfBounds (to answer) for a field past its bound. A frame that is no such message
+    ends the connection."""
     try:
-        return timeout, message.FromString(body), payload
-    except Exception as exc:  # noqa: BLE001 - any parse failure ends this connection only
-        raise ConnectionError(f"frame is no {message.__name__}: {exc}") from None
+        return decode(body)
+    except Undecodable as exc:
+        raise ConnectionError(str(exc)) from None
 
 
 class DoorbellServer:
@@ -295,21 +309,23 @@ class DoorbellServer:
                 conn = self._tls.wrap_socket(raw, server_side=True)  # takes over raw's descriptor
                 with self._lock:
                     self._conns[conn] = self._conns.pop(raw)  # so that close() shuts the live socket down
-            hello = _read_request(conn, ps_pb2.AttachRequest)
-            if hello is None:
+            frame = _read_request(conn)
+            if frame is None:
                 return
-            if hello[2]:
+            if frame[2]:
                 raise ConnectionError("a hello carries no payload")
             try:
-                self._verify(hello[1])
+                hello = _decode(_HELLO, frame[1])
+                self._verify(hello)
             except PSError as exc:
+                self._rejected("Attach (socket hello)", exc)
                 _send_reply(conn, _error_body(exc))
                 return
             _send_reply(conn, b"\0")
             conn.settimeout(None)  # a proven worker may wait as long as a pull may
-            worker_id = hello[1].worker_id
-            while (frame := _read_request(conn, ps_pb2.ExchangeRequest)) is not None:
-                timeout, request, size = frame
+            worker_id = hello.worker_id
+            while (frame := _read_request(conn)) is not None:
+                timeout, message, size = frame
                 limit = self._payload_limit()
                 if size > limit:
                     big = TooLarge(f"a payload of {size} bytes is over this shard's {limit} (its part of the model)")
@@ -317,7 +333,7 @@ class DoorbellServer:
                     _send_reply(conn, _error_body(big))
                     return  # the rest of the stream cannot be trusted to be in step
                 payload = Payload(conn, size)
-                body, reply = self._answer(worker_id, request, timeout, payload)
+                body, reply = self._answer(worker_id, message, timeout, payload)
                 try:
                     payload.finish()
                     if reply is None:
@@ -340,10 +356,9 @@ class DoorbellServer:
         if self._on_reject is not None:
             self._on_reject(exc)
 
-    def _answer(
-        self, worker_id: str, request: ps_pb2.ExchangeRequest, timeout: float, payload: Payload
-    ) -> tuple[bytes, Reply | None]:
+    def _answer(self, worker_id: str, body: bytes, timeout: float, payload: Payload) -> tuple[bytes, Reply | None]:
         try:
+            request = _decode(_EXCHANGE, body)
             if request.worker_id != worker_id:
                 raise PermissionError(f"this connection speaks for worker {worker_id!r} only")
             reply = self._handle(request, timeout, payload)  # the handler clamps timeout to the pull_timeout

@@ -43,6 +43,14 @@ class NonFiniteGradient(InvalidArgument):
     """A gradient holding NaN or Inf."""
 
 
+class Undecodable(InvalidArgument):
+    """Bytes that are no valid protobuf message of the type the RPC (or frame) takes."""
+
+
+class OutOfBounds(InvalidArgument):
+    """A field past the bound ps.proto declares for it (max_bytes, max_items)."""
+
+
 class FailedPrecondition(PSError):
     """The shard is not in a state where this request makes sense."""
 
@@ -113,6 +121,12 @@ class ShuttingDown(PSError):
 
 class InitInProgress(ShuttingDown):
     """Another worker is initialising the shard right now: retry shortly (then the model is held: pull it)."""
+
+
+class Unreachable(PSError):
+    """Nothing answers at a shard's address (connection refused, unknown host, no route): is it running there?"""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 class Unauthenticated(PSError):

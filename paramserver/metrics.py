@@ -1,15 +1,71 @@
 """Prometheus metrics of one shard, on a registry of its own (several shards can share a process in tests).
 
 Labels stay low-cardinality: the shard index, a result or reason from a fixed set, and worker ranks (bounded by
-the job's worker count), never worker ids.
+the job's worker count), never worker ids. The registry also carries the standard process_* metrics (resident
+memory, CPU, file descriptors) and paramserver_memory_limit_bytes, the memory the shard may use, so an alert can
+compare the two (deploy/monitoring/alerts.yml).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import os
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _STALENESS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128)
+# cgroup v1 writes "no limit" as a huge page-aligned number (LONG_MAX rounded down); anything above this is none.
+_NO_CGROUP_LIMIT = 1 << 60
+
+
+def cgroup_memory_limit(
+    cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
+) -> int:
+    """The tightest memory limit of this process's cgroup and its ancestors (v2 memory.max, v1
+    memory.limit_in_bytes); 0 where none is set or there are no cgroups."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return 0
+    candidates: list[Path] = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        rel = path.strip("/")
+        if controllers == "":  # v2, unified
+            base, name = cgroup_root, "memory.max"
+        elif "memory" in controllers.split(","):  # v1
+            base, name = cgroup_root / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        # A container sees its own cgroup as the root of the hierarchy while /proc/self/cgroup may still name the
+        # host's path: try the named directory and each of its ancestors, down to the root, and keep the lowest.
+        parts = rel.split("/") if rel else []
+        candidates += [base.joinpath(*parts[:n], name) for n in range(len(parts), -1, -1)]
+    limits = []
+    for file in candidates:
+        try:
+            text = file.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < _NO_CGROUP_LIMIT:
+            limits.append(int(text))
+    return min(limits, default=0)
+
+
+def memory_limit() -> float:
+    """Bytes of memory this process may use: its cgroup's limit (a container's, e.g. a Kubernetes pod's
+    resources.limits.memory), else the machine's physical memory."""
+    limit = cgroup_memory_limit()
+    if limit:
+        return float(limit)
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return float("inf")
 
 
 class ShardMetrics:
@@ -61,6 +117,14 @@ class ShardMetrics:
         self.evictions = Counter(
             "paramserver_evictions", "Workers evicted after their lease ran out", ["shard"], registry=r
         ).labels(s)
+        # Read at each scrape: cheap, and a container's limit can be changed while it runs.
+        Gauge(
+            "paramserver_memory_limit_bytes",
+            "Memory this shard's process may use: its cgroup's limit (the container's), else the machine's RAM",
+            ["shard"],
+            registry=r,
+        ).labels(s).set_function(memory_limit)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and the other process_* metrics
         self._shard = s
 
     def pushed(self, result: str) -> None:
@@ -77,7 +141,7 @@ class ShardMetrics:
 class MetricsServer:
     """/metrics over HTTP for one registry, stopped with the shard."""
 
-    def __init__(self, registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> None:
+    def __init__(self, registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> None:
         self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
         self.port = int(self._httpd.server_port)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -33,6 +34,31 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     ]
 
 
+class BindError(OSError):
+    """A shard cannot listen where it was told to (the port is taken, or the address is not this host's)."""
+
+
+def _can_bind(host: str, port: int) -> bool:
+    try:
+        tcp_listener(host, port).close()
+    except OSError:
+        return False
+    return True
+
+
+def bind_error(index: int, what: str, host: str, port: int, flag: str) -> BindError:
+    """Say why shard `index` could not bind its `what` to host:port, and which flag chooses another port."""
+    try:
+        tcp_listener(host, port).close()
+        why = "the system refused it"
+    except OSError as exc:
+        why = "the port is in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc)).lower()
+    return BindError(
+        f"shard {index} cannot serve its {what} on {host}:{port}: {why}; choose another port with {flag} "
+        "(0: any free port)"
+    )
+
+
 class ShardServer:
     """A started gRPC server for one shard. Bind with `create`, give it the peer list, then `start`."""
 
@@ -50,6 +76,7 @@ class ShardServer:
         self._data: DoorbellServer | None = None
         self._data_listener: socket.socket | None = None
         self.port = port
+        self.host = "127.0.0.1"  # where the gRPC port listens; the metrics port listens there too
         self.metrics_port: int | None = None
         self._server = server
         self._health = health_servicer
@@ -73,31 +100,43 @@ class ShardServer:
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
-        if credentials is None:
-            bound = server.add_insecure_port(f"{host}:{port}")
-        else:
-            bound = server.add_secure_port(f"{host}:{port}", credentials)
+        if port and not _can_bind(host, port):  # ask first: gRPC's own failure is a C-core log line and no reason
+            pool.shutdown(wait=False)
+            raise bind_error(index, "gRPC port", host, port, "--port")
+        try:  # grpcio raises RuntimeError("Failed to bind ..."), older releases returned 0
+            if credentials is None:
+                bound = server.add_insecure_port(f"{host}:{port}")
+            else:
+                bound = server.add_secure_port(f"{host}:{port}", credentials)
+        except RuntimeError:
+            bound = 0
         if bound == 0:
-            raise OSError(f"could not bind shard {index} to {host}:{port} (port in use?)")
+            pool.shutdown(wait=False)
+            raise bind_error(index, "gRPC port", host, port, "--port")
         instance = cls(shard, server, bound, health_servicer, servicer)
         instance._pool = pool
+        instance.host = host
         if config.data_socket:
             try:
                 instance._data_listener = tcp_listener(host, config.data_port)
-            except OSError as exc:
+            except OSError:
                 server.stop(None)
-                where = f"{host}:{config.data_port}"
-                raise OSError(f"could not bind shard {index}'s data socket to {where}: {exc}") from exc
+                pool.shutdown(wait=False)
+                raise bind_error(index, "data socket", host, config.data_port, "--data-port") from None
         return instance
 
     def start(self, addresses: Sequence[str]) -> None:
         """Restore the newest checkpoint if there is one, then serve, knowing every shard's address."""
+        metrics_port = self.shard.config.metrics_port
+        if metrics_port is not None:  # first: a port that is taken must fail the start before anything changes
+            try:
+                self._metrics = MetricsServer(self.shard.metrics.registry, metrics_port, self.host)
+            except OSError:
+                raise bind_error(self.shard.index, "metrics", self.host, metrics_port, "--metrics-port") from None
+            self.metrics_port = self._metrics.port
         self.shard.addresses = tuple(addresses)
         self.shard.restore()
         self.shard.start()
-        if self.shard.config.metrics_port is not None:
-            self._metrics = MetricsServer(self.shard.metrics.registry, self.shard.config.metrics_port)
-            self.metrics_port = self._metrics.port
         if self.shard.config.shared_memory:
             # Same-host workers' Exchanges over a Unix socket (see paramserver.doorbell).
             self._doorbell = DoorbellServer(self._verify, self.servicer.exchange_frame, self.servicer.rejected)

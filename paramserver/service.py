@@ -9,9 +9,8 @@ from typing import Any
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
 
-from paramserver import codec, heap, shm
+from paramserver import bounds, codec, heap, shm
 from paramserver.doorbell import Payload, Reply
 from paramserver.errors import DataSocketUnavailable, InvalidArgument, MalformedStream, PSError, TooLarge, rpc_errors
 from paramserver.placement import SLICE_ELEMENTS, TensorSpec
@@ -23,19 +22,21 @@ _MODES = {"sync": ps_pb2.SYNC, "async": ps_pb2.ASYNC, "ssp": ps_pb2.SSP}
 
 
 class ClientStream:
-    """The raw messages of a client stream (Init, Push), parsed and size-checked here rather than by gRPC.
+    """The raw messages of a client stream (Init, Push), parsed, size- and bound-checked here rather than by gRPC.
 
     gRPC's own refusal of a message (unparsable, or over its size limit) ends the request iterator exactly as a
     client's normal end of stream does, so a handler could not tell a complete stream from a cut one. Parsing
     here turns each bad message into a status of our own, raised before anything is applied.
     """
 
-    def __init__(self, raw: Iterator[bytes], message: type[Any], limit: int, context: grpc.ServicerContext) -> None:
+    def __init__(
+        self, raw: Iterator[bytes], decode: Callable[[bytes], Any], kind: str, limit: int, context: grpc.ServicerContext
+    ) -> None:
         self._raw = raw
-        self._message = message
+        self._decode = decode
+        self._kind = kind
         self._limit = limit
         self._context = context
-        self._kind = message.DESCRIPTOR.name
         self.bytes = 0  # raw bytes received so far
 
     def _next(self) -> Any | None:
@@ -50,10 +51,7 @@ class ClientStream:
                 f"a {self._kind} of {len(data)} bytes is over the limit of {self._limit} "
                 f"(max_message_bytes); send chunks of about 1 MiB"
             )
-        try:
-            return codec.decode(data, self._message)
-        except DecodeError as exc:
-            raise MalformedStream(f"a {self._kind} is not a valid protobuf message: {exc}") from None
+        return self._decode(data)  # Undecodable, OutOfBounds (see paramserver.bounds)
 
     def header(self) -> Any:
         """Return the header that must open the stream."""
@@ -90,13 +88,36 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.shard = shard
         self.doorbell = ""  # the address of the shard's doorbell (paramserver.doorbell), once it listens
         self.data_port = 0  # the port of its data socket, once it listens
+        self._init_stream = bounds.stream_decoder(ps_pb2.InitMessage, "Init")
+        self._push_stream = bounds.stream_decoder(ps_pb2.PushMessage, "Push")
 
     def rejected(self, exc: PSError) -> None:
         """Count a refused request in the shard's metrics."""
         self.shard.metrics.rejected_for(type(exc).__name__)
 
-    def _stream(self, raw: Iterator[bytes], message: type[Any], context: grpc.ServicerContext) -> ClientStream:
-        return ClientStream(raw, message, self.shard.config.max_message_bytes, context)
+    def _stream(
+        self, raw: Iterator[bytes], decode: Callable[[bytes], Any], kind: str, context: grpc.ServicerContext
+    ) -> ClientStream:
+        return ClientStream(raw, decode, kind, self.shard.config.max_message_bytes, context)
+
+    def decoding(self, rpc: str, message: type[Any], behaviour: Callable[[Any, grpc.ServicerContext], Any]) -> Any:
+        """`behaviour` as a handler of raw request bytes: the one place a unary request is decoded. Bytes over
+        max_message_bytes are TooLarge, bytes that are no `message` Undecodable, a field past its bound in ps.proto
+        OutOfBounds, each refused (and counted) before the behaviour runs."""
+        decode = bounds.decoder(message, rpc)
+        kind = message.DESCRIPTOR.name
+
+        def handle(raw: bytes, context: grpc.ServicerContext) -> Any:
+            with rpc_errors(context, rpc, self.rejected):
+                limit = self.shard.config.max_message_bytes
+                if len(raw) > limit:
+                    raise TooLarge(
+                        f"{rpc}: a {kind} of {len(raw)} bytes is over the limit of {limit} (max_message_bytes)"
+                    )
+                request = decode(raw)
+            return behaviour(request, context)
+
+        return handle
 
     def GetTopology(self, request: ps_pb2.GetTopologyRequest, context: grpc.ServicerContext) -> ps_pb2.Topology:
         with rpc_errors(context, "GetTopology", self.rejected):
@@ -144,7 +165,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     ) -> ps_pb2.InitResponse:
         try:
             with rpc_errors(context, "Init", self.rejected), self.shard.initialising():
-                stream = self._stream(request_iterator, ps_pb2.InitMessage, context)
+                stream = self._stream(request_iterator, self._init_stream, "InitMessage", context)
                 header = stream.header()
                 self.shard.check_worker(header.worker_id)
                 model = self.shard.prepare_init(
@@ -190,7 +211,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self, request_iterator: Iterator[ps_pb2.PushMessage], context: grpc.ServicerContext
     ) -> ps_pb2.PushResponse:
         with rpc_errors(context, "Push", self.rejected):
-            stream = self._stream(request_iterator, ps_pb2.PushMessage, context)
+            stream = self._stream(request_iterator, self._push_stream, "PushMessage", context)
             header = stream.header()
             model = self.shard.require_model(header.model_digest)
             self.shard.check_worker(header.worker_id)
@@ -345,8 +366,9 @@ def _clamp(timeout: float, limit: float) -> float:
 
 
 def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> None:
-    """Register the servicer for every RPC of the proto. Streams carry raw wire bytes both ways, encoded and
-    decoded by paramserver.codec (client streams: see ClientStream; server streams yield bytes)."""
+    """Register the servicer for every RPC of the proto. Every request arrives as raw wire bytes, decoded and
+    bound-checked by paramserver.bounds (unary requests: see ParameterServerServicer.decoding; client streams: see
+    ClientStream), so that no malformed request gets gRPC's own INTERNAL; server streams yield bytes."""
     service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
     kinds = {
         (False, False): grpc.unary_unary_rpc_method_handler,
@@ -358,9 +380,10 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> Non
         request = getattr(ps_pb2, method.input_type.name)
         response = getattr(ps_pb2, method.output_type.name)
         make = kinds[(method.client_streaming, method.server_streaming)]
+        behaviour = getattr(servicer, method.name)
         handlers[method.name] = make(
-            getattr(servicer, method.name),
-            request_deserializer=None if method.client_streaming else request.FromString,
+            behaviour if method.client_streaming else servicer.decoding(method.name, request, behaviour),
+            request_deserializer=None,
             response_serializer=None if method.server_streaming else response.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -1,7 +1,9 @@
-"""Smoke test of the benchmark suite: `bench/run.py --quick` runs every section and writes its three files.
+"""Smoke test of the benchmark suite: `bench/run.py --quick` runs its sections and writes its three files.
 
 It checks that the suite works, not how fast anything is: the quick sizes are too small to mean anything.
-About a minute on 2 idle cores (real shard and worker processes start a dozen times).
+About a minute on 2 idle cores (real shard and worker processes start a dozen times); a busy machine takes
+longer, and only pytest-timeout's generous limit stops it. The link section needs root and network namespaces:
+tests/test_bench_link.py runs it, from `make netns-test`.
 """
 
 from __future__ import annotations
@@ -17,48 +19,41 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("transport", "baselines", "training", "memory", "link")
-TIMEOUT_S = 240
+SMOKE = SECTIONS[:-1]  # every section that runs on any machine
+LIMIT_S = 1200  # pytest-timeout's limit for the run: for a machine many times slower than usual, never a verdict
+pytestmark = pytest.mark.timeout(LIMIT_S)  # whichever test runs the module's quick run first
 
 
-def _link_unavailable() -> str | None:
-    """Why the link section cannot run here (it needs root and network namespaces), or None."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        from bench.link import unavailable
-    finally:
-        sys.path.remove(str(ROOT))
-    return unavailable()
-
-
-def _run_quick(out: Path) -> subprocess.CompletedProcess[str]:
+def run_quick(out: Path, sections: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    """Run `bench/run.py --quick --only SECTIONS --out OUT` to its end, however long it takes; stop it (and so
+    every shard and worker it started) if the test is interrupted or timed out meanwhile."""
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(out)],
+        [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--only", ",".join(sections), "--out", str(out)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+        stdout, stderr = proc.communicate()
+    except BaseException:
         # SIGTERM first: the suite then stops every shard and worker it started (SIGKILL would orphan them).
         proc.send_signal(signal.SIGTERM)
         try:
-            stdout, stderr = proc.communicate(timeout=60)
+            proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-            stdout, stderr = proc.communicate()
-        pytest.fail(f"bench/run.py --quick took over {TIMEOUT_S} s\n{stderr[-4000:]}")
+            proc.communicate()
+        raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
     out = tmp_path_factory.mktemp("bench")
-    return out, _run_quick(out)
+    return out, run_quick(out, SMOKE)
 
 
-@pytest.mark.timeout(TIMEOUT_S + 120)
 def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, result = quick_run
     assert result.returncode == 0, f"exit status {result.returncode}\n{result.stderr[-4000:]}"
@@ -66,13 +61,11 @@ def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.Co
     for key in ("cores", "torch", "grpc", "glibc_tunables"):
         assert key in doc["machine"], key
     assert doc["machine"]["cores"] >= 1
-    assert set(doc["sections"]) == set(SECTIONS)
+    assert set(doc["sections"]) == set(SMOKE)
     assert all(s["ok"] for s in doc["sections"].values()), doc["sections"]
 
     figures = doc["figures"]
-    for section in SECTIONS:
-        if section == "link" and _link_unavailable():
-            continue  # needs root and network namespaces: skipped, saying why
+    for section in SMOKE:
         assert any(f["section"] == section for f in figures), f"no {section} figures"
     for f in figures:
         assert f["unit"], f["id"]
@@ -102,13 +95,6 @@ def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.Co
     overlap = [f for i, f in by_id.items() if i.startswith("training.sps.") and i.endswith(".w1.async+overlap")]
     assert overlap, "no overlap figure"
     assert any(base.endswith(".w1.async") for base in overlap[0]["ratios"]), overlap[0]["ratios"]
-    # Over the limited link: with --overlap against without, on a host of its own.
-    if not _link_unavailable():
-        assert by_id["link.sps.cnn.w1.async+overlap"]["ratios"].keys() == {"link.sps.cnn.w1.async"}
-        for wire in ("float32", "bf16"):
-            in_turn = by_id[f"link.step.4MB.s2.w1.{wire}.in-turn"]
-            assert in_turn["ratios"].keys() == {f"link.step.4MB.s2.w1.{wire}.at-once", "link.gloo.4MB"}
-        assert "## Link" in (out / "latest.md").read_text()
     # Ratios against the baselines of the same run are computed, and they are positive.
     ratios = [r for f in figures for r in f.get("ratios", {}).values()]
     assert ratios and all(r > 0 for r in ratios)
@@ -147,7 +133,6 @@ def test_a_second_baselines_pass_adds_its_repeats(quick_run: tuple[Path, subproc
     assert len({f["id"] for f in doc["figures"]}) == len(doc["figures"]), "a figure id appears twice"
 
 
-@pytest.mark.timeout(TIMEOUT_S + 120)
 def test_quick_run_draws_the_plot(quick_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     pytest.importorskip("matplotlib")
     out, result = quick_run

@@ -320,11 +320,14 @@ def test_ps_server_refuses_a_bad_mode():
 
 
 def test_generated_code_matches_the_proto(tmp_path):
+    import importlib.resources
+
     from grpc_tools import protoc
 
     args = [
         "protoc",
         f"-I{ROOT / 'protos'}",
+        f"-I{importlib.resources.files('grpc_tools') / '_proto'}",  # descriptor.proto, for the bound options
         f"--python_out={tmp_path}",
         f"--pyi_out={tmp_path}",
         f"--grpc_python_out={tmp_path}",

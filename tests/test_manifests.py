@@ -488,7 +488,52 @@ def test_metrics_are_exposed_and_scrapable(rendered: Rendered) -> None:
     assert metrics is not None and args.metrics_port == metrics["containerPort"]
     annotations = job["spec"]["template"]["metadata"].get("annotations", {})
     assert annotations.get("prometheus.io/scrape") == "true"
-    assert annotations.get("prometheus.io/port") == str(args.metrics_port)
+    # The annotated port is the one ps-server serves its metrics on (--metrics-port), by number.
+    assert annotations.get("prometheus.io/port") == str(args.metrics_port), "annotation port != --metrics-port"
+    assert annotations.get("prometheus.io/path") == "/metrics"
+    # The headless Service publishes it too, by name, for a ServiceMonitor (components/servicemonitor).
+    ports = {p["name"]: p for p in headless_service(rendered)["spec"]["ports"]}
+    assert ports["metrics"]["targetPort"] in ("metrics", args.metrics_port)
+
+
+def render_with_component(overlay: str, component: str, tmp_path: Path) -> Rendered:
+    """Render an overlay with one more component, as an overlay of its own would (kustomize wants relative paths)."""
+    assert KUBECTL is not None
+    here = tmp_path / "overlay"
+    here.mkdir()
+    base, extra = (os.path.relpath(p, here) for p in (K8S / "overlays" / overlay, K8S / "components" / component))
+    (here / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: paramserver\n"
+        f"resources: [{base}]\ncomponents: [{extra}]\n"
+    )
+    out = subprocess.run([KUBECTL, "kustomize", str(here)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"kubectl kustomize {overlay} + components/{component} failed:\n{out.stderr}"
+    return Rendered(f"{overlay}+{component}", [d for d in yaml.safe_load_all(out.stdout) if d])
+
+
+def test_the_servicemonitor_component_scrapes_every_shard(tmp_path: Path) -> None:
+    r = render_with_component("cpu", "servicemonitor", tmp_path)
+    (monitor,) = r.all("ServiceMonitor")
+    service = headless_service(r)
+    assert monitor["metadata"].get("namespace") == service["metadata"]["namespace"]
+    assert labels_match(monitor["spec"]["selector"], service["metadata"]["labels"]), "it selects the headless Service"
+    others = [s for s in r.all("Service") if s is not service]
+    assert not any(labels_match(monitor["spec"]["selector"], s["metadata"].get("labels", {})) for s in others)
+    (endpoint,) = monitor["spec"]["endpoints"]
+    port = {p["name"]: p for p in service["spec"]["ports"]}[endpoint["port"]]
+    _, args = resolved(r, SHARD)
+    container = containers(r.job(SHARD), init=False)[0]
+    target = port_of(container, port["targetPort"])
+    assert target is not None and target["containerPort"] == args.metrics_port, "it scrapes --metrics-port"
+    annotations = r.job(SHARD)["spec"]["template"]["metadata"]["annotations"]
+    assert endpoint.get("path", "/metrics") == annotations["prometheus.io/path"]
+    # The job label comes from a label of the Service, and is the job the alert rules select.
+    job = service["metadata"]["labels"][monitor["spec"]["jobLabel"]]
+    alerts = (ROOT / "deploy" / "monitoring" / "alerts.yml").read_text()
+    assert f'job="{job}"' in alerts
+    # The shards' NetworkPolicy admits the scrapes on that port.
+    policy = r.named("NetworkPolicy", "paramserver-shard")
+    assert any(args.metrics_port in {p["port"] for p in rule.get("ports", [])} for rule in policy["spec"]["ingress"])
 
 
 # -- network policy, disruption budget ---------------------------------------------------------------------------

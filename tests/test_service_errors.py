@@ -18,10 +18,13 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
+from google.protobuf.message import Message
 
 from paramserver.cluster import LocalCluster
 from paramserver.config import ServerConfig
 from paramserver.errors import (
+    ERROR_KEY,
     Aborted,
     AlreadyInitialized,
     FailedPrecondition,
@@ -429,6 +432,126 @@ def test_oversized_message_after_complete_push_changes_nothing(live: Live) -> No
             assert live.shard.state_bytes() == before, f"attempt {attempt}: the refused push was applied"
     finally:
         _stop_bounded(live.cluster)
+
+
+# -- bytes that are no request message, to every RPC (the servicer decodes every request itself) --------------------
+
+SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
+
+
+def _sample(descriptor: Descriptor) -> Message:
+    """A message of this type with every field set (a oneof: its first member), so that it serializes non-empty
+    whenever the type has a field, its last field holding at least one byte of its own."""
+    message = getattr(ps_pb2, descriptor.name)()
+    for f in descriptor.fields:
+        if f.containing_oneof is not None and f is not f.containing_oneof.fields[0]:
+            continue
+        if f.type == FieldDescriptor.TYPE_MESSAGE:
+            target = getattr(message, f.name).add() if f.is_repeated else getattr(message, f.name)
+            target.CopyFrom(_sample(f.message_type))
+            if not f.is_repeated and not target.ByteSize():
+                target.SetInParent()
+        elif f.type == FieldDescriptor.TYPE_STRING:
+            value: object = "abc"
+        elif f.type == FieldDescriptor.TYPE_BYTES:
+            value = b"abc"
+        elif f.type == FieldDescriptor.TYPE_BOOL:
+            value = True
+        elif f.type == FieldDescriptor.TYPE_ENUM:
+            value = 1
+        elif f.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
+            value = 1.5
+        else:
+            value = 3
+        if f.type != FieldDescriptor.TYPE_MESSAGE:
+            if f.is_repeated:
+                getattr(message, f.name).append(value)
+            else:
+                setattr(message, f.name, value)
+    return message
+
+
+def _bad_utf8(descriptor: Descriptor) -> bytes | None:
+    """The wire bytes of a message of this type whose first string field (maybe nested) is not UTF-8, or None."""
+    for f in descriptor.fields:
+        if f.type == FieldDescriptor.TYPE_STRING:
+            inner = b"\xff\xfe"
+        elif f.type == FieldDescriptor.TYPE_MESSAGE and (nested := _bad_utf8(f.message_type)) is not None:
+            inner = nested
+        else:
+            continue
+        assert f.number < 16 and len(inner) < 128  # one-byte tag and length
+        return bytes([f.number << 3 | 2, len(inner)]) + inner
+    return None
+
+
+def _undecodable_cases() -> list[object]:
+    """(RPC, bytes) for every RPC of the service: garbage, a tag of no valid wire type, a valid request cut short,
+    a string that is not UTF-8; a new RPC is covered as soon as it is in the .proto."""
+    cases = []
+    for method in SERVICE.methods:
+        sample = _sample(method.input_type).SerializeToString()
+        payloads = {"garbage": GARBAGE, "bad-wire-type": b"\x0f\x00", "truncated": sample[:-1] if sample else None}
+        payloads["not-utf8"] = _bad_utf8(method.input_type)
+        for name, payload in payloads.items():
+            if payload is not None:
+                cases.append(pytest.param(method, payload, id=f"{method.name}-{name}"))
+    return cases
+
+
+def _call_raw(channel: grpc.Channel, method: MethodDescriptor, payload: bytes) -> object:
+    """Send `payload` as it is (no serialization) as the request, or the stream's only message, of `method`."""
+    path = f"/{SERVICE.full_name}/{method.name}"
+    if method.client_streaming:
+        return channel.stream_unary(path)(iter([payload]), timeout=CALL_TIMEOUT)
+    if method.server_streaming:
+        return list(channel.unary_stream(path)(payload, timeout=CALL_TIMEOUT))
+    return channel.unary_unary(path)(payload, timeout=CALL_TIMEOUT)
+
+
+def _rejected(live: Live, reason: str) -> float:
+    value = live.shard.metrics.registry.get_sample_value("paramserver_rejected_total", {"shard": "0", "reason": reason})
+    return value or 0.0
+
+
+@pytest.mark.parametrize(("method", "payload"), _undecodable_cases())
+def test_undecodable_request_to_any_rpc_is_invalid_argument_and_changes_nothing(
+    live: Live, method: MethodDescriptor, payload: bytes
+) -> None:
+    before, members, rejected = (
+        live.shard.state_bytes(),
+        set(live.shard.membership.live),
+        _rejected(live, "Undecodable"),
+    )
+
+    with pytest.raises(grpc.RpcError) as info:
+        _call_raw(live.channel, method, payload)
+
+    err = info.value
+    assert err.code() == INVALID, f"{err.code()}: {err.details()}"
+    assert dict(err.trailing_metadata() or ()).get(ERROR_KEY) == "Undecodable"
+    details = err.details() or ""
+    for said in (f"{method.name}:", method.input_type.full_name, "not a valid protobuf message"):
+        assert said in details, details
+    assert _rejected(live, "Undecodable") == rejected + 1
+    _barrier(live)
+    assert live.shard.state_bytes() == before
+    assert live.shard.membership.live == members
+    # The shard serves on: the next round's push applies.
+    reply = live.push([live.header(), *live.full()])
+    assert (reply.version, reply.applied) == (2, True)
+
+
+def test_unary_request_over_the_message_limit_is_resource_exhausted(live: Live) -> None:
+    before = live.shard.state_bytes()
+    oversized = ps_pb2.JoinRequest(worker_id="w" * (5 << 20), job_name=JOB).SerializeToString()
+    _assert_refused(
+        lambda: _call_raw(live.channel, SERVICE.methods_by_name["Join"], oversized),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"Join: a JoinRequest of {len(oversized)} bytes is over the limit of 4194304",
+    )
+    assert live.shard.state_bytes() == before
+    assert live.shard.membership.live == {WORKER}
 
 
 # -- a shard that holds no model yet -------------------------------------------------------------------------------

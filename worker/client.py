@@ -41,6 +41,7 @@ from paramserver.errors import (
     RemoteError,
     SharedMemoryUnavailable,
     UnknownWorker,
+    Unreachable,
     from_rpc_error,
 )
 from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
@@ -86,7 +87,11 @@ INLINE_BYTES = CHUNK_BYTES
 # takes milliseconds, and the round of a sync job waits for the last worker), then less often, down to the cap.
 INIT_POLL_FIRST_S = 0.005
 INIT_POLL_S = 0.1
-CONNECT_S = 5.0  # how long connecting to a data socket may take before the worker settles for gRPC
+CONNECT_S = 5.0  # how long connecting to a data socket (or one try at the first shard) may take
+# The first contact with a shard that does not answer (not started yet, or a wrong address): tried again after
+# this long, then twice as long each time up to the cap, each try logged, until PSClient's connect_timeout.
+CONNECT_RETRY_S = 1.0
+CONNECT_RETRY_MAX_S = 5.0
 # How long a worker that settled for gRPC with a shard (no data socket served or reached) keeps to it before it
 # tries again, doubling after each try that fails, up to the cap: a shard restarted at the wrong moment, or a port
 # opened late, costs a while at gRPC speed, not the whole run, and a port whose packets are dropped stalls a step
@@ -218,6 +223,45 @@ def _tensors_of(obj: Tensors) -> tuple[list[str], list[torch.Tensor]]:
     return [n for n, _ in items], [t for _, t in items]
 
 
+def _first_contact(stub: ps_pb2_grpc.ParameterServerStub, address: str, limit: float) -> ps_pb2.Topology:
+    """Ask the shard at `address` for the topology, asking again while nothing answers there (it may still be
+    starting), with a warning per try that says why and when the worker gives up; Unreachable after `limit` s.
+
+    No wait_for_ready: with it a refused connection is silent until the deadline, and then reads as a timeout."""
+    began = time.monotonic()
+    delay, why = CONNECT_RETRY_S, ""
+    while True:
+        left = began + limit - time.monotonic()
+        try:
+            return stub.GetTopology(ps_pb2.GetTopologyRequest(), timeout=max(min(CONNECT_S, left), 0.1))
+        except grpc.RpcError as err:
+            if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise from_rpc_error(err, address) from None
+            # A try cut short by the give-up time says less than the refusal before it.
+            if err.code() == grpc.StatusCode.UNAVAILABLE or not why:
+                why = _why_unreachable(err)
+        left = began + limit - time.monotonic()
+        if left <= 0:
+            raise Unreachable(
+                f"cannot connect to {address} ({why}); gave up after {time.monotonic() - began:.0f} s: is ps-server "
+                "running there, and is the address right?"
+            )
+        wait = min(delay, left)
+        log.warning("cannot connect to %s (%s); trying again in %.1f s, giving up in %.0f s", address, why, wait, left)
+        time.sleep(wait)
+        delay = min(2 * delay, CONNECT_RETRY_MAX_S)
+
+
+def _why_unreachable(err: grpc.RpcError) -> str:
+    """The reason in a failed connection's status, as a person would say it ("connection refused")."""
+    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "no answer in time"
+    detail = (err.details() or "").strip() if hasattr(err, "details") else ""
+    reason = detail.rsplit(": ", 1)[-1].strip(" []()") if detail else ""
+    reason = reason or "unavailable"
+    return reason[:1].lower() + reason[1:]
+
+
 def _begin_and_wait(start: Callable[[int], Callable[[], T]], k: int) -> T:
     return start(k)()
 
@@ -289,14 +333,11 @@ class PSClient:
         self._registered: _Binding | None = None
         self._heartbeat: threading.Thread | None = None
 
-        entry = open_channel(address, self._options, self._credentials, self._token)
+        # The channel's own retries would keep each try at a refused address going for seconds, unsaid.
+        no_retries = [(k, v) for k, v in self._options if k != "grpc.enable_retries"] + [("grpc.enable_retries", 0)]
+        entry = open_channel(address, no_retries, self._credentials, self._token)
         try:
-            topo = self._call(
-                address,
-                lambda: ps_pb2_grpc.ParameterServerStub(entry).GetTopology(
-                    ps_pb2.GetTopologyRequest(), timeout=connect_timeout, wait_for_ready=True
-                ),
-            )
+            topo = _first_contact(ps_pb2_grpc.ParameterServerStub(entry), address, connect_timeout)
         finally:
             entry.close()
         self.topology = topo

@@ -12,16 +12,17 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from paramserver.config import MODES
 
 TARGET_ACCURACY = 0.95
 
 
-def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+def _stop(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
     if proc.poll() is None:
         proc.send_signal(sig)
         try:
@@ -31,24 +32,31 @@ def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: flo
     return proc.wait()
 
 
-def _wait_for_server(proc: subprocess.Popen[bytes], address: str, timeout: float = 60.0) -> None:
-    """Block until the shard at `address` answers its health check."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+WORKERS_LINE = "workers: ps-worker --server "  # what ps-server prints once every shard it started serves
 
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"ps-server exited with status {proc.returncode} (is port {address} in use?)")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0, wait_for_ready=True)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                time.sleep(0.2)
-    raise TimeoutError(f"ps-server did not serve on {address} within {timeout:.0f} s")
+
+def _address_of(server: subprocess.Popen[str], timeout: float = 120.0) -> str:
+    """The address ps-server prints once all its shards serve: the demo's own server, never one that happened
+    to answer on the port. Its other output is passed through, then and afterwards."""
+    assert server.stdout is not None
+    found: list[str] = []
+    ready = threading.Event()
+
+    def relay() -> None:
+        for line in server.stdout:  # type: ignore[union-attr]
+            if line.startswith(WORKERS_LINE) and not found:
+                found.append(line[len(WORKERS_LINE) :].strip())
+                ready.set()
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        ready.set()  # ps-server exited (it said why on stderr)
+
+    threading.Thread(target=relay, name="ps-server-output", daemon=True).start()
+    if not ready.wait(timeout):
+        raise TimeoutError(f"ps-server did not serve within {timeout:.0f} s")
+    if not found:
+        raise RuntimeError(f"ps-server exited with status {server.wait()} before serving (see above)")
+    return found[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -57,12 +65,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mode", default="sync", choices=MODES, help="consistency mode")
     parser.add_argument("--shards", type=int, default=2, help="shard processes")
     parser.add_argument("--workers", type=int, default=2, help="worker processes")
-    parser.add_argument("--port", type=int, default=50051, help="port of shard 0")
+    parser.add_argument(
+        "--port", type=int, default=0, help="port of shard 0, the others follow (default: 0, free ports the OS picks)"
+    )
     parser.add_argument("--model", default="cnn", help="model for ps-worker --model")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args, extra = parser.parse_known_args(argv)
 
-    address = f"127.0.0.1:{args.port}"
     server_cmd = [
         sys.executable,
         "-m",
@@ -81,11 +90,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"$ ps-server --shards {args.shards} --mode {args.mode} --workers {args.workers} --port {args.port}", flush=True
     )
-    server = subprocess.Popen(server_cmd)
+    server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
     workers: list[subprocess.Popen[bytes]] = []
     results: list[dict[str, object]] = []
     try:
-        _wait_for_server(server, address)
+        try:
+            address = _address_of(server)
+        except (RuntimeError, TimeoutError) as exc:
+            hint = " (--port 0, make demo's default, takes free ports)" if args.port else ""
+            print(f"demo: {exc}{hint}", file=sys.stderr)
+            return 1
         with tempfile.TemporaryDirectory(prefix="ps-demo-") as tmp:
             for i in range(args.workers):
                 cmd = [

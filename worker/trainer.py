@@ -80,6 +80,11 @@ class TrainConfig:
     job_name: str = config_field("", "job to join; refused if the servers run another (default: any)")
     threads: int = config_field(1, "torch CPU threads (1 is fastest when shards and workers share the cores)")
     timeout: float = config_field(120.0, "seconds to wait for a shard before giving up on a call")
+    connect_timeout: float = config_field(
+        60.0,
+        "seconds to keep trying to reach --server at the start (it may still be starting), a warning per try, "
+        "before giving up",
+    )
     round_timeout: float = config_field(
         1800.0,
         "seconds to wait for a round to close before giving up: in sync mode for the job's other workers to "
@@ -232,6 +237,7 @@ def train(
         data_socket=config.data_socket,
         push_in_turn={"auto": None, "on": True, "off": False}[config.push_in_turn],
         timeout=config.timeout,
+        connect_timeout=config.connect_timeout,
         tls_ca=config.tls_ca,
         tls_cert=config.tls_cert,
         tls_key=config.tls_key,

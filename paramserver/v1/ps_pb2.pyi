@@ -1,3 +1,4 @@
+from google.protobuf import descriptor_pb2 as _descriptor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -28,6 +29,14 @@ MODE_UNSPECIFIED: Mode
 SYNC: Mode
 ASYNC: Mode
 SSP: Mode
+
+class Bound(_message.Message):
+    __slots__ = ()
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_bytes: _descriptor.FieldDescriptor
+    MAX_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    max_items: _descriptor.FieldDescriptor
+    def __init__(self) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape")

@@ -26,7 +26,10 @@ if _version_not_supported:
 
 
 class ParameterServerStub:
-    """Missing associated documentation comment in .proto file."""
+    """Every RPC: INVALID_ARGUMENT for bytes that are no valid message of its request type, or a field past its bound
+    (the details name the RPC, the message type, the field and the bound); RESOURCE_EXHAUSTED for a request message
+    over max_message_bytes; UNAUTHENTICATED without the shard's token (when it has one).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -82,10 +85,13 @@ class ParameterServerStub:
 
 
 class ParameterServerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Every RPC: INVALID_ARGUMENT for bytes that are no valid message of its request type, or a field past its bound
+    (the details name the RPC, the message type, the field and the bound); RESOURCE_EXHAUSTED for a request message
+    over max_message_bytes; UNAUTHENTICATED without the shard's token (when it has one).
+    """
 
     def GetTopology(self, request, context):
-        """Unary. The shard addresses, the job and the held model. Never fails on a live shard.
+        """Unary. The shard addresses, the job and the held model. Never fails on a live shard for a valid request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,7 +99,8 @@ class ParameterServerServicer:
 
     def Join(self, request, context):
         """Unary. Join the job (or renew). FAILED_PRECONDITION for another job's name, RESOURCE_EXHAUSTED when the job
-        already has its number of workers.
+        already has its number of workers, INVALID_ARGUMENT for a worker_id or job_name past its bound (such a Join
+        takes no place in the job).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,8 +123,9 @@ class ParameterServerServicer:
 
     def Init(self, request_iterator, context):
         """Client stream: InitHeader, then Chunks. ALREADY_EXISTS if this model is held, FAILED_PRECONDITION if another
-        is, INVALID_ARGUMENT for a malformed or incomplete stream, RESOURCE_EXHAUSTED for a model over the limit,
-        UNAVAILABLE while another worker's Init runs (one at a time: retry, then the model is held).
+        is, INVALID_ARGUMENT for a malformed or incomplete stream or a header past a bound (too many tensors, a name or
+        shape too long), RESOURCE_EXHAUSTED for a model or a message over the limit, UNAVAILABLE while another worker's
+        Init runs (one at a time: retry, then the model is held).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -132,8 +140,9 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request_iterator, context):
-        """Client stream: PushHeader, then Chunks. INVALID_ARGUMENT for malformed chunks, gaps, overlaps, NaN or Inf;
-        FAILED_PRECONDITION for another model or before init; ABORTED for a finished round or an unknown worker.
+        """Client stream: PushHeader, then Chunks. INVALID_ARGUMENT for malformed chunks, gaps, overlaps, NaN or Inf, or a
+        header past a bound; FAILED_PRECONDITION for another model or before init; ABORTED for a finished round or an
+        unknown worker; RESOURCE_EXHAUSTED for a message over max_message_bytes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -150,7 +159,9 @@ class ParameterServerServicer:
 
     def Exchange(self, request, context):
         """Unary. Push and/or pull through the attached segment, with the statuses of Push and Pull;
-        FAILED_PRECONDITION when no segment is attached for this worker and model (attach again).
+        FAILED_PRECONDITION when no segment is attached for this worker and model (attach again). The same request as
+        a doorbell or data-socket frame: a field past its bound is answered INVALID_ARGUMENT; bytes that are no
+        ExchangeRequest end the connection.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -213,7 +224,10 @@ def add_ParameterServerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ParameterServer:
-    """Missing associated documentation comment in .proto file."""
+    """Every RPC: INVALID_ARGUMENT for bytes that are no valid message of its request type, or a field past its bound
+    (the details name the RPC, the message type, the field and the bound); RESOURCE_EXHAUSTED for a request message
+    over max_message_bytes; UNAUTHENTICATED without the shard's token (when it has one).
+    """
 
     @staticmethod
     def GetTopology(request,
