@@ -113,6 +113,10 @@ class TooLarge(PSError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class JobFull(TooLarge):
+    """A Join when the job already has its number of live workers (one may be a dead worker whose lease runs)."""
+
+
 class ShuttingDown(PSError):
     """The shard is stopping; retry against it once it is back."""
 

@@ -9,7 +9,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from paramserver.errors import TooLarge, UnknownWorker
+from paramserver.errors import JobFull, UnknownWorker
 
 # Pushes remembered per worker for exactly-once: far more than a worker ever has in flight.
 REMEMBERED_STEPS = 256
@@ -85,7 +85,7 @@ class Membership:
         used = {w.rank for w in self._workers.values()}
         free = [r for r in range(self.world_size) if r not in used]
         if not free:
-            raise TooLarge(
+            raise JobFull(
                 f"the job already has its {self.world_size} workers; start the servers with a larger --workers "
                 f"to add more, or wait for a dead worker's lease to run out"
             )

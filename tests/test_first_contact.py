@@ -14,11 +14,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from paramserver import LocalCluster, ServerConfig
 from paramserver.cli import build_parser as server_parser
 from paramserver.errors import Unreachable
+from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from worker import PSClient
 from worker.cli import build_parser as worker_parser
 
@@ -155,3 +157,18 @@ def test_one_ctrl_c_is_said_once_per_process():
     assert len(said) == 3, stderr  # ps-server itself, then shard 0 and shard 1, each telling its own
     assert len(set(said)) == 3, said
     assert said[0] == "received SIGINT, stopping"
+
+
+def test_a_worker_started_while_a_dead_ones_lease_runs_waits_for_its_place(ps_cluster_factory, caplog):
+    # A one-worker job whose place is held by a worker that joined and went silent (crashed, or a Join that never
+    # came back): a new worker waits, saying why, until the lease runs out, and then takes the place.
+    config = ServerConfig(mode="async", workers=1, optimizer="sgd", lr=0.1, lease_timeout=1.0)
+    cluster = ps_cluster_factory(config, shards=2)
+    for address in cluster.addresses:  # joins, then is never heard of again: no heartbeat, no Leave
+        with grpc.insecure_channel(address) as channel:
+            ps_pb2_grpc.ParameterServerStub(channel).Join(ps_pb2.JoinRequest(worker_id="gone"), timeout=30)
+    with caplog.at_level("WARNING", logger="worker.client"), PSClient(cluster.address) as client:
+        assert client.rank == 0
+    assert any(
+        "already has its 1 workers" in r.getMessage() and "trying again" in r.getMessage() for r in caplog.records
+    )

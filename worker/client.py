@@ -32,6 +32,7 @@ from paramserver.errors import (
     AlreadyInitialized,
     DataSocketUnavailable,
     InitInProgress,
+    JobFull,
     MalformedStream,
     ModelMismatch,
     NotAttached,
@@ -98,6 +99,9 @@ CONNECT_RETRY_MAX_S = 5.0
 # for CONNECT_S ever more rarely.
 RETRY_LINK_S = 30.0
 RETRY_LINK_MAX_S = 900.0
+# How long a Join waits for a place in a full job: three of the shards' default lease timeouts (10 s), so that the
+# place of a worker that died just before (its lease still running) frees meanwhile.
+JOB_FULL_WAIT_S = 30.0
 # A push waiting for its turn starts once the push before it has fewer bytes than this unacknowledged by its shard.
 TURN_BELOW = 64 * 1024
 
@@ -370,7 +374,7 @@ class PSClient:
     def join(self) -> None:
         """Join the job on every shard (shard 0 first: its rank is the one that counts)."""
         req = ps_pb2.JoinRequest(worker_id=self.worker_id, job_name=self.job_name)
-        first = self._on_shard(0, lambda: self._stubs[0].Join(req, timeout=self.timeout), rejoin=False)
+        first = self._join_first(req)
         self.rank, self.world_size = first.rank, first.world_size
         leases = [first.lease_timeout_s]
         leases += [
@@ -385,6 +389,20 @@ class PSClient:
             # Renew the lease while the worker computes or waits, well within the lease timeout.
             self._heartbeat = threading.Thread(target=self._beat, args=(lease / 3,), name="ps-heartbeat", daemon=True)
             self._heartbeat.start()
+
+    def _join_first(self, req: ps_pb2.JoinRequest) -> ps_pb2.JoinResponse:
+        """Join shard 0, waiting while the job is full: a place held by a worker that died (or by a Join that
+        never came back) frees once its lease runs out, so a worker restarted at once gets in then."""
+        began = time.monotonic()
+        while True:
+            try:
+                return self._on_shard(0, lambda: self._stubs[0].Join(req, timeout=self.timeout), rejoin=False)
+            except JobFull as exc:
+                left = began + JOB_FULL_WAIT_S - time.monotonic()
+                if left <= 0:
+                    raise
+                log.warning("%s; trying again in %.1f s, giving up in %.0f s", exc, min(1.0, left), left)
+                time.sleep(min(1.0, left))
 
     def _beat(self, interval: float) -> None:
         req = ps_pb2.HeartbeatRequest(worker_id=self.worker_id)
