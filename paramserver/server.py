@@ -38,21 +38,18 @@ class BindError(OSError):
     """A shard cannot listen where it was told to (the port is taken, or the address is not this host's)."""
 
 
-def _can_bind(host: str, port: int) -> bool:
+def bind_problem(host: str, port: int) -> str | None:
+    """Why host:port cannot be listened on now (as a person would say it), or None when it can."""
     try:
         tcp_listener(host, port).close()
-    except OSError:
-        return False
-    return True
-
-
-def bind_error(index: int, what: str, host: str, port: int, flag: str) -> BindError:
-    """Say why shard `index` could not bind its `what` to host:port, and which flag chooses another port."""
-    try:
-        tcp_listener(host, port).close()
-        why = "the system refused it"
     except OSError as exc:
-        why = "the port is in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc)).lower()
+        return "the port is in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc)).lower()
+    return None
+
+
+def bind_error(index: int, what: str, host: str, port: int, flag: str, why: str | None = None) -> BindError:
+    """Say why shard `index` could not bind its `what` to host:port, and which flag chooses another port."""
+    why = why or bind_problem(host, port) or "the system refused it"
     return BindError(
         f"shard {index} cannot serve its {what} on {host}:{port}: {why}; choose another port with {flag} "
         "(0: any free port)"
@@ -100,9 +97,10 @@ class ShardServer:
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
-        if port and not _can_bind(host, port):  # ask first: gRPC's own failure is a C-core log line and no reason
+        # Ask first: gRPC's own failure is a C-core log line and no reason.
+        if port and (why := bind_problem(host, port)) is not None:
             pool.shutdown(wait=False)
-            raise bind_error(index, "gRPC port", host, port, "--port")
+            raise bind_error(index, "gRPC port", host, port, "--port", why)
         try:  # grpcio raises RuntimeError("Failed to bind ..."), older releases returned 0
             if credentials is None:
                 bound = server.add_insecure_port(f"{host}:{port}")
