@@ -9,7 +9,7 @@ WORKERS ?= 2
 PORT ?= 0
 DEMO_ARGS ?=
 
-.PHONY: install demo test lint proto clean bench deploy-check image image-test netns-test netns-clean monitoring-test
+.PHONY: install demo test lint proto clean bench deploy-check image image-test netns-test netns-clean monitoring-test js-test
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,15 @@ monitoring-test: $(STAMP)
 	promtool check rules deploy/monitoring/alerts.yml
 	cd deploy/monitoring && promtool test rules alerts.test.yml
 	PS_MONITORING=1 $(PY) -m pytest tests/test_monitoring.py -v -s
+
+## js-test: the JavaScript client (clients/js/, written from protos/paramserver/v1/ alone) checks the contract's
+## vectors and trains against real shards; installs Debian's nodejs and npm if node is missing.
+js-test: $(STAMP)
+	@command -v node >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y nodejs; }
+	@# NodeSource's nodejs bundles npm (and conflicts with Debian's npm package); Debian's needs it separately.
+	@command -v npm >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y npm; }
+	cd clients/js && npm ci --no-audit --no-fund
+	PS_JS=1 $(PY) -m pytest tests/test_js_client.py tests/test_contract.py -v
 
 ## netns-clean: remove namespaces and /etc/netns folders left by a crashed netns-test
 netns-clean:

@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paramserver import procs
+from paramserver.files import atomic_write
+
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6  # decimal units throughout: 25 M float32 parameters are 100 MB
 GB = 1e9
@@ -134,12 +137,8 @@ def machine_facts() -> dict[str, Any]:
     return facts
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write a file via a temporary name and a rename, so a reader never sees half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+# Write a file via a temporary name and a rename, so a reader never sees half of it (the results, the report).
+write_atomic = atomic_write
 
 
 def log(message: str) -> None:
@@ -326,13 +325,7 @@ class Channel:
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when the parent dies, so no child outlives a killed benchmark."""
     parent = int(os.environ.get(PARENT_ENV, "0"))
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+    procs.die_with_parent(signal.SIGKILL)
     if parent and os.getppid() != parent:  # the parent died before the request took effect
         os._exit(1)
 

@@ -12,13 +12,13 @@ __all__ = ["LocalCluster", "ServerConfig", "__version__"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from paramserver.cluster import LocalCluster
     from paramserver.config import ServerConfig
+    from paramserver.server.cluster import LocalCluster
 
 
 def __getattr__(name: str) -> Any:
     if name == "LocalCluster":
-        from paramserver.cluster import LocalCluster
+        from paramserver.server.cluster import LocalCluster
 
         return LocalCluster
     if name == "ServerConfig":

@@ -7,10 +7,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-C = TypeVar("C")
+from paramserver import modes
+from paramserver.shard import optimizers
 
-MODES = ("sync", "async", "ssp")
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adagrad")
+C = TypeVar("C")
 
 
 def config_field(default: Any, help: str, *, choices: tuple[str, ...] | None = None, flag: bool = False) -> Any:
@@ -63,13 +63,7 @@ def from_arguments(cls: type[C], args: argparse.Namespace) -> C:
 class ServerConfig:
     """Everything a shard needs to know about the job; every shard of a job gets the same one."""
 
-    mode: str = config_field(
-        "sync",
-        "consistency: sync (average one gradient per live worker, apply once), async (apply each gradient on "
-        "arrival) or ssp (bounded staleness: async, but a worker --staleness steps ahead of the slowest live "
-        "worker waits at its pull)",
-        choices=MODES,
-    )
+    mode: str = config_field("sync", f"consistency: {modes.describe()}", choices=modes.NAMES)
     staleness: int = config_field(
         3, "ssp: how many pushes a worker may be ahead of the slowest live worker before its pull waits"
     )
@@ -83,7 +77,7 @@ class ServerConfig:
         "workers in the job: a sync round waits for this many (fewer once some have left), "
         "and the data is split this many ways",
     )
-    optimizer: str = config_field("adam", "server-side optimizer (torch.optim, fused kernel)", choices=OPTIMIZERS)
+    optimizer: str = config_field("adam", "server-side optimizer (torch.optim, fused kernel)", choices=optimizers.NAMES)
     lr: float = config_field(1e-3, "learning rate")
     momentum: float = config_field(0.9, "momentum of the 'momentum' optimizer")
     weight_decay: float = config_field(0.0, "weight decay (decoupled for adamw)")
@@ -152,12 +146,10 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        modes.mode(self.mode)  # ValueError naming the choices
         if self.staleness < 0 or self.max_staleness < 0:
             raise ValueError("staleness and max_staleness must be >= 0")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {self.optimizer!r}")
+        optimizers.optimizer_kind(self.optimizer)  # ValueError naming the choices
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, not {self.workers}")
         if not self.lr > 0:
@@ -173,8 +165,8 @@ class ServerConfig:
             raise ValueError(f"threads must be at least 1, not {self.threads}")
         if self.max_concurrent_pushes < 1:
             raise ValueError("max_concurrent_pushes must be at least 1")
-        from paramserver.bounds import declared  # the wire's bound: a longer name could never be named by a worker
         from paramserver.v1.ps_pb2 import JoinRequest
+        from paramserver.wire.bounds import declared  # the wire's bound: a longer name could never be named by a worker
 
         limit = declared(JoinRequest.DESCRIPTOR.fields_by_name["job_name"])[0]
         if limit is not None and len(self.job_name.encode()) > limit:

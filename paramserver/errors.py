@@ -1,7 +1,9 @@
 """Typed errors of the parameter server and the one table that maps them to gRPC status codes.
 
-Server code raises these; the servicer turns them into statuses in one place (`rpc_errors`), and the client turns
-statuses back into these types (`from_rpc_error`), so both sides speak of the same failures by name.
+Each type carries its status code; `status_of` is the one place an exception becomes the status a shard answers
+(the code, the type to name, the details), used by the gRPC servicer (`rpc_errors`), the token check
+(paramserver.security) and the doorbell and data socket (paramserver.transport.socket_server). The client turns
+statuses back into these types (`from_rpc_error`, `from_status`), so both sides speak of the same failures by name.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from typing import NamedTuple, NoReturn
 
 import grpc
 
@@ -139,6 +142,12 @@ class Unauthenticated(PSError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDenied(PSError):
+    """A doorbell or data-socket connection speaking for another worker than the one it proved in its hello."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 # The servicer names the exact error type in this trailing-metadata key, so the client raises that very type
 # (`except UnknownWorker` vs `except StaleRound`); a client in another language can rely on the status alone.
 ERROR_KEY = "ps-error"
@@ -152,6 +161,7 @@ _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: PullTimeout,
     grpc.StatusCode.RESOURCE_EXHAUSTED: TooLarge,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 
@@ -195,6 +205,30 @@ def from_status(code: grpc.StatusCode, detail: str, named: str | None = None, sh
     return out
 
 
+class Status(NamedTuple):
+    """What a shard answers for a refused or failed request."""
+
+    code: grpc.StatusCode
+    name: str  # the PSError type the client should raise (ERROR_KEY, or the frame's type name); "": by code alone
+    details: str
+
+
+def status_of(exc: BaseException, what: str) -> Status:
+    """The status for an exception raised while serving `what` (an RPC's name): a PSError's own code and type;
+    anything else INTERNAL, naming no type (the client cannot have caused it)."""
+    if isinstance(exc, PSError):
+        return Status(exc.code, type(exc).__name__, str(exc))
+    return Status(grpc.StatusCode.INTERNAL, "", f"{what} failed on the server: {type(exc).__name__}: {exc}")
+
+
+def abort(context: grpc.ServicerContext, status: Status) -> NoReturn:
+    """End an RPC with `status`, naming its type in the ERROR_KEY trailing metadata when it has one."""
+    if status.name:
+        context.set_trailing_metadata(((ERROR_KEY, status.name),))
+    context.abort(status.code, status.details)
+    raise AssertionError("unreachable: ServicerContext.abort raises")  # for type checkers: abort never returns
+
+
 @contextlib.contextmanager
 def rpc_errors(
     context: grpc.ServicerContext, rpc: str, on_reject: Callable[[PSError], None] | None = None
@@ -206,11 +240,10 @@ def rpc_errors(
         log.info("%s rejected: %s: %s", rpc, exc.code.name, exc)
         if on_reject is not None:
             on_reject(exc)
-        context.set_trailing_metadata(((ERROR_KEY, type(exc).__name__),))
-        context.abort(exc.code, str(exc))
+        abort(context, status_of(exc, rpc))
     except Exception as exc:  # noqa: BLE001 - the boundary: never leak a traceback to the client
         if not context.is_active():  # the call already ended (cancelled, or refused by gRPC itself)
             log.debug("%s ended early: %s", rpc, exc)
         else:
             log.exception("%s failed", rpc)
-        context.abort(grpc.StatusCode.INTERNAL, f"{rpc} failed on the server: {type(exc).__name__}: {exc}")
+        abort(context, status_of(exc, rpc))

@@ -4,7 +4,8 @@ Depends on nothing but the standard library, so both sides import it cheaply.
 
 Tensors above `slice_elements` are cut into one contiguous piece per shard, so a huge embedding does not load a
 single shard; the rest are packed whole, largest first, onto the least-loaded shard. Both sides prove they
-computed the same placement by comparing `digest(specs, num_shards)`.
+computed the same placement by comparing `digest(specs, num_shards, slice_elements)`. protos/paramserver/v1/SPEC.md
+defines both for other languages, with test vectors beside it.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def place(specs: Sequence[TensorSpec], num_shards: int, slice_elements: int = SL
     for spec in specs:
         n = spec.numel
         if n > slice_elements and num_shards > 1:
-            step = math.ceil(n / num_shards)
+            step = -(-n // num_shards)  # ceil in integers: exact for any size
             for k in range(num_shards):
                 start = k * step
                 length = max(0, min(step, n - start))

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from paramserver.errors import ERROR_KEY
+from paramserver.errors import Unauthenticated, abort, status_of
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 _DENIED = "missing or wrong bearer token: start the worker with the job's --auth-token-file"
@@ -99,8 +99,7 @@ class TokenAuth(grpc.ServerInterceptor):
 
 
 def _deny(request: Any, context: grpc.ServicerContext) -> Any:
-    context.set_trailing_metadata(((ERROR_KEY, "Unauthenticated"),))
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+    abort(context, status_of(Unauthenticated(_DENIED), "authentication"))
 
 
 def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from paramserver.cluster import LocalCluster
 from paramserver.config import ServerConfig
+from paramserver.server.cluster import LocalCluster
 
 
 @pytest.fixture

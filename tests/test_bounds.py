@@ -26,13 +26,13 @@ from test_data_socket import _attach, _bell, _port, _session, _ticket
 from test_service_errors import init_messages
 from test_shared_memory import OK_BYTE, Raw, _error
 
-from paramserver import bounds
-from paramserver.cluster import LocalCluster
 from paramserver.config import ServerConfig
 from paramserver.errors import ERROR_KEY, OutOfBounds
 from paramserver.placement import TensorSpec, place
-from paramserver.shard import Shard
+from paramserver.server.cluster import LocalCluster
+from paramserver.shard.state import Shard
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
+from paramserver.wire import bounds
 from worker.client import PSClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -236,7 +236,7 @@ def _attach_grpc(e: Env, **changes: object) -> object:
         "nonce": secrets.token_bytes(16),
         "elements": 15,
         "model_digest": e.digest,
-        "socket": True,
+        "data_socket": ps_pb2.DataSocket(),
     }
     fields.update(changes)
     return e.stub.Attach(ps_pb2.AttachRequest(**fields), timeout=CALL_TIMEOUT)
@@ -274,7 +274,11 @@ OVER: list[tuple[str, int, Callable[[Env], object]]] = [
     ("PushMessage.header.worker_id", 128, lambda e: _push_header(e, worker_id=_over(128))),
     ("PushMessage.header.model_digest", 64, lambda e: _push_header(e, model_digest=_over(64))),
     ("AttachRequest.worker_id", 128, lambda e: _attach_grpc(e, worker_id=_over(128))),
-    ("AttachRequest.name", 64, lambda e: _attach_grpc(e, socket=False, name=_over(64))),
+    (
+        "AttachRequest.shared_memory.name",
+        64,
+        lambda e: _attach_grpc(e, data_socket=None, shared_memory=ps_pb2.SharedMemory(name=_over(64))),
+    ),
     ("AttachRequest.nonce", 16, lambda e: _attach_grpc(e, nonce=secrets.token_bytes(17))),
     ("AttachRequest.model_digest", 64, lambda e: _attach_grpc(e, model_digest=_over(64))),
     ("ExchangeRequest.worker_id", 128, lambda e: _exchange(e, worker_id=_over(128))),

@@ -22,12 +22,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramserver import checkpoint
-from paramserver.checkpoint import KEEP, MAGIC, CorruptCheckpoint, Snapshot
-from paramserver.cluster import LocalCluster
 from paramserver.config import ServerConfig
 from paramserver.placement import TensorSpec, place
-from paramserver.shard import Shard, make_optimizer
+from paramserver.server.cluster import LocalCluster
+from paramserver.shard import checkpoint
+from paramserver.shard.checkpoint import KEEP, MAGIC, CorruptCheckpoint, Snapshot
+from paramserver.shard.state import Shard, make_optimizer
 from worker.client import PSClient
 
 pytestmark = pytest.mark.timeout(30)
@@ -506,6 +506,91 @@ def test_checkpoint_every_n_versions_gives_a_consistent_set(
     assert [s.describe().stats.checkpoints for s in cluster.shards] == [3, 3]
 
 
+# -- shards: time-based checkpoints ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_checkpoint_every_n_seconds_writes_after_the_interval_with_no_version_trigger(
+    ps_cluster_factory: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    timed_dir, final_dir = tmp_path / "every-second", tmp_path / "only-at-stop"
+    config = ServerConfig(
+        mode="sync", workers=1, optimizer="sgd", lr=1.0, checkpoint_dir=str(timed_dir), checkpoint_every="1s"
+    )
+    assert config.checkpoint_schedule() == (0, 1.0), "a time-based schedule has no version trigger"
+    timed = ps_cluster_factory(config, shards=2)
+    only_at_stop = ps_cluster_factory(config.replace(checkpoint_dir=str(final_dir), checkpoint_every="0"), shards=2)
+    for cluster in (timed, only_at_stop):
+        model = _model()
+        with PSClient(cluster.address, timeout=CLIENT_TIMEOUT) as client:
+            client.register(model)
+            client.push(_grad(1))
+            assert client.pull(model) == 1
+
+    # One push, then nothing: the shards' maintenance ticks write version 1 once a second has passed.
+    for index in (0, 1):
+        snap = _wait_for_checkpoint(timed_dir, index, 1, timeout=60.0)
+        assert (snap.version, snap.shard_index, snap.num_shards) == (1, index, 2)
+        assert torch.equal(snap.params, _expected_shard_params(_weights_after(1), 2, index))
+    assert all(s.describe().stats.checkpoints >= 1 for s in timed.shards)
+
+    # checkpoint_every="0": no tick ever writes one (a tick now comes a second or more after the push)...
+    for shard in only_at_stop.shards:
+        shard.tick()
+    assert [s.describe().stats.checkpoints for s in only_at_stop.shards] == [0, 0]
+    assert checkpoint.list_checkpoints(final_dir, 0) == checkpoint.list_checkpoints(final_dir, 1) == []
+    # ...only the stop does.
+    only_at_stop.stop()
+    assert [s.describe().stats.checkpoints for s in only_at_stop.shards] == [1, 1]
+    for index in (0, 1):
+        assert checkpoint.list_checkpoints(final_dir, index) == [checkpoint.path_for(final_dir, index, 1)]
+
+
+def _pushed_shard(config: ServerConfig, pushes: int) -> Shard:
+    """Shard 0 of a 2-shard job (not started: no maintenance thread ticks it) after `pushes` applied pushes."""
+    shard = Shard(config, 0, ADDRESSES)
+    placement = place(SPECS, 2)
+    model = shard.prepare_init(SPECS, 2, placement.digest)
+    shard.commit_init(model)
+    shard.join("w", "")
+    for step in range(1, pushes + 1):
+        grad = torch.full((model.numel,), step * SIXTEENTH).numpy()
+        assert shard.push("w", step, step - 1, grad, placement.digest) == (step, True)
+    return shard
+
+
+@pytest.mark.parametrize("every", ["0", "3600s", "100"])
+def test_a_tick_takes_no_checkpoint_unless_a_time_based_one_is_due(tmp_path: Path, every: str) -> None:
+    config = ServerConfig(mode="async", optimizer="sgd", lr=0.1, checkpoint_dir=str(tmp_path), checkpoint_every=every)
+    shard = _pushed_shard(config, pushes=3)
+    try:
+        for _ in range(3):
+            shard.tick()
+        assert shard.describe().stats.checkpoints == 0
+    finally:
+        shard.close()  # the final checkpoint, written before close returns
+    assert shard.describe().stats.checkpoints == 1
+    assert [checkpoint.load(p).version for p in checkpoint.list_checkpoints(tmp_path, 0)] == [3]
+
+
+@pytest.mark.timeout(90)
+def test_a_tick_takes_a_checkpoint_once_the_interval_has_passed(tmp_path: Path) -> None:
+    config = ServerConfig(mode="async", optimizer="sgd", lr=0.1, checkpoint_dir=str(tmp_path), checkpoint_every="0.05s")
+    shard = _pushed_shard(config, pushes=3)
+    try:
+        assert shard.describe().stats.checkpoints == 0, "pushes never checkpoint on a time-based schedule"
+        deadline = time.monotonic() + 60.0
+        while shard.describe().stats.checkpoints == 0:
+            assert time.monotonic() < deadline, "no tick took a checkpoint in 60 s of a 0.05 s schedule"
+            time.sleep(0.01)
+            shard.tick()
+        snap = _wait_for_checkpoint(tmp_path, 0, 3, timeout=60.0)
+        assert snap.version == 3
+        assert torch.equal(snap.params, shard.snapshot().params)
+    finally:
+        shard.close()
+
+
 # -- shards: restore refuses a checkpoint of another job -----------------------------------------------------------
 
 
@@ -602,7 +687,7 @@ def test_finished_workers_are_saved_at_once_and_counted_after_a_restart(tmp_path
         first.leave("a", finished=True)  # a second leave of a gone worker counts nothing
         assert first.finished_workers == 1 and not first.done.is_set()
     finally:
-        first._writer.close()  # type: ignore[union-attr]  # flush the checkpoint the finish took; no final one
+        first.checkpoints.close()  # flush the checkpoint the finish took; no final one
     again = Shard(config, 0, ADDRESSES)
     try:
         assert again.restore() is True

@@ -7,8 +7,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramserver import codec
 from paramserver.v1 import ps_pb2
+from paramserver.wire import codec
 
 MESSAGES = [ps_pb2.PushMessage, ps_pb2.InitMessage, ps_pb2.PullMessage]
 

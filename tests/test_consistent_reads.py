@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from paramserver import ServerConfig
-from paramserver.cluster import LocalCluster
+from paramserver.server.cluster import LocalCluster
 from worker import PSClient
 
 BIG = 4_000_000  # 16 MB: each pull takes several milliseconds, while pushes apply in between

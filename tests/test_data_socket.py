@@ -1,5 +1,5 @@
-"""The data socket: each shard's TCP listener for workers on other hosts (paramserver/doorbell.py, the servicer's
-Attach and exchange_frame, Shard.attach_socket).
+"""The data socket: each shard's TCP listener for workers on other hosts (paramserver/transport/socket_server.py,
+the servicer's Attach and exchange_frame, Shard.attach_socket).
 
 Real shards on 127.0.0.1 (threads, so `state_bytes()` shows that a refused request changed nothing); a client with
 shared_memory=False stands in for a worker on another host. Covered:
@@ -11,7 +11,7 @@ shared_memory=False stands in for a worker on another host. Covered:
   payload on a pull, an inline request, an unknown dtype, another model or another worker's id are refused with
   their status and error type, change nothing and leave the connection in step; a frame announcing more than
   the shard's part of the model is TooLarge and ends the connection;
-- Attach(socket=True) refusals, and a worker that left;
+- Attach(data_socket) refusals, and a worker that left;
 - falling back to gRPC: a shard with no data socket, one whose data socket cannot be reached;
 - a lost connection re-attaches; a refused push keeps the connection; TLS, mutual TLS (and the handshake timeout)
   and the bearer token hold for the data socket as for gRPC; a shard bound to an IPv6 host (gRPC's bracketed form).
@@ -54,18 +54,20 @@ from test_shared_memory import (
     _status,
 )
 
-from paramserver import doorbell, shm
-from paramserver.cluster import LocalCluster
 from paramserver.config import ServerConfig
-from paramserver.doorbell import DoorbellClient
 from paramserver.errors import NonFiniteGradient, NotAttached
 from paramserver.security import client_ssl_context
-from paramserver.server import ShardServer
-from paramserver.shard import Shard, Ticket
+from paramserver.server.cluster import LocalCluster
+from paramserver.server.shard_server import ShardServer
+from paramserver.shard.state import Shard, Ticket
+from paramserver.transport import shm, socket_client, socket_server
+from paramserver.transport.socket_client import FrameClient
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
-from paramserver.wire import BFLOAT16, FLOAT32, encode
-from worker import client as client_module
+from paramserver.wire import frames
+from paramserver.wire.chunks import BFLOAT16, FLOAT32, encode
 from worker.client import PSClient
+from worker.client import link as link_module
+from worker.client.transports import DataSocket
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,7 +91,11 @@ def _hello(worker_id: str, shard: Shard, **changes: object) -> ps_pb2.AttachRequ
         "model_digest": shard.model.digest,
         **changes,
     }
-    return ps_pb2.AttachRequest(worker_id=worker_id, socket=True, **fields)
+    if "name" in fields:  # a segment's name instead of the data-socket kind
+        return ps_pb2.AttachRequest(
+            worker_id=worker_id, shared_memory=ps_pb2.SharedMemory(name=str(fields.pop("name"))), **fields
+        )
+    return ps_pb2.AttachRequest(worker_id=worker_id, data_socket=ps_pb2.DataSocket(), **fields)
 
 
 def _ticket(raw: Raw, worker_id: str = WORKER, **changes: object) -> ps_pb2.AttachRequest:
@@ -151,11 +157,21 @@ def _sgd(params: np.ndarray, grad: np.ndarray) -> np.ndarray:
 
 
 def _on_data_socket(client: PSClient) -> bool:
-    return (
-        all(isinstance(b, DoorbellClient) for b in client._bells)
-        and all(s is None for s in client._segments)
-        and not client._on_grpc
-    )
+    return all(link.transport.kind == "data socket" and link.fallback is None for link in client.links)
+
+
+def _transports(client: PSClient) -> list[object]:
+    """The transport object of each shard's link: a new one after each (re-)attachment."""
+    return [link.transport for link in client.links]
+
+
+def _connections(client: PSClient) -> list[FrameClient]:
+    """Each shard's data-socket connection (every shard on the data socket)."""
+    out = []
+    for link in client.links:
+        assert isinstance(link.transport, DataSocket), link.transport.kind
+        out.append(link.transport.connection)
+    return out
 
 
 def _equal(got: Model, want: Model) -> None:
@@ -208,11 +224,11 @@ def test_a_client_on_another_host_trains_over_the_data_socket(
         model = make()
         client.register(model)
         assert _on_data_socket(client)
-        bells = list(client._bells)
+        bells = _transports(client)
         _train(client, model)  # registers again: the shards hold the model
-        assert _on_data_socket(client) and client._bells == bells, "the client reconnected without a cause"
-        for server, bell in zip(cluster.servers, bells, strict=True):
-            assert bell is not None and bell._sock.getpeername() == ("127.0.0.1", server.data_port)
+        assert _on_data_socket(client) and _transports(client) == bells, "the client reconnected without a cause"
+        for server, connection in zip(cluster.servers, _connections(client), strict=True):
+            assert connection.peer == ("127.0.0.1", server.data_port)
             ticket = server.shard.attachment(client.worker_id, server.shard.model)
             assert isinstance(ticket, Ticket) and ticket.elements == server.shard.model.numel and ticket.name == ""
 
@@ -225,7 +241,7 @@ def test_a_shard_without_shared_memory_sends_a_default_client_to_the_data_socket
     with PSClient(cluster.address, job_name=JOB, timeout=CALL_TIMEOUT) as client:
         assert client.shared_memory
         _train(client, _big_model())
-        assert client._no_shm == {0, 1} and _on_data_socket(client)
+        assert all(link.shared_memory_refused for link in client.links) and _on_data_socket(client)
 
 
 def test_a_refused_push_keeps_the_data_socket_connection(ps_cluster_factory: Callable[..., LocalCluster]) -> None:
@@ -233,7 +249,7 @@ def test_a_refused_push_keeps_the_data_socket_connection(ps_cluster_factory: Cal
     model = _big_model()
     with _client(cluster) as client:
         client.register(model)
-        bells, before = list(client._bells), [s.state_bytes() for s in cluster.shards]
+        bells, before = _transports(client), [s.state_bytes() for s in cluster.shards]
         bad = _like(model, 1)
         bad["big"][0, 5] = bad["big"][-1, 5] = float("nan")  # on both shards' slices
         with pytest.raises(NonFiniteGradient):
@@ -242,7 +258,7 @@ def test_a_refused_push_keeps_the_data_socket_connection(ps_cluster_factory: Cal
         g, good = _clone(_like(model, 2)), _like(model, 2)
         assert client.push_pull(g) == 1
         _equal(g, _local_sgd(model, [good], 0.1))
-        assert client._bells == bells, "a refusal ended a connection that was in step"
+        assert _transports(client) == bells, "a refusal ended a connection that was in step"
 
 
 def _bf16_steps(client: PSClient) -> list[Model]:
@@ -266,7 +282,7 @@ def test_bf16_over_the_data_socket_is_bit_identical_to_bf16_over_the_streams(
     with _client(fast, dtype="bf16") as a, _client(slow, dtype="bf16", data_socket=False) as b:
         runs = _bf16_steps(a), _bf16_steps(b)
         assert _on_data_socket(a)
-        assert set(b._on_grpc) == {0, 1} and b._bells == [None, None]
+        assert all(link.fallback is not None and link.transport.kind == "gRPC" for link in b.links)
     for step, (x, y) in enumerate(zip(*runs, strict=True)):
         for name in x:
             assert torch.equal(x[name], y[name]), f"{name} differs after step {step}"
@@ -282,16 +298,15 @@ def test_a_shard_on_ipv6_serves_its_data_socket(ps_cluster_factory: Callable[...
     assert cluster.address.startswith("[::1]:") and cluster.servers[0].data_port
     with _client(cluster) as client:
         _train(client, _small_model())
-        assert _on_data_socket(client) and client._bells[0] is not None
-        assert client._bells[0]._sock.getpeername()[:2] == ("::1", cluster.servers[0].data_port)
+        assert _on_data_socket(client)
+        assert _connections(client)[0].peer == ("::1", cluster.servers[0].data_port)
 
 
 def _timed_sends(client: PSClient, delay: float = 0.0, fail_first: bool = False) -> list[tuple[int, float, float]]:
     """Record (shard, start, end) of every gradient the client's data sockets send from now on; shard 0's first
     one is held `delay` seconds before it goes out, or fails as a lost connection with `fail_first`."""
     sends: list[tuple[int, float, float]] = []
-    for k, bell in enumerate(client._bells):
-        assert bell is not None
+    for k, bell in enumerate(_connections(client)):
         real = bell.send
 
         def send(request, timeout, arrays=(), dtype=FLOAT32, k=k, real=real):  # noqa: ANN001, ANN202
@@ -312,8 +327,7 @@ def _timed_sends(client: PSClient, delay: float = 0.0, fail_first: bool = False)
 def _timed_drains(client: PSClient) -> list[tuple[int, float]]:
     """Record (shard, end) of every wait for a push's bytes to be taken (a turn's end) from now on."""
     drains: list[tuple[int, float]] = []
-    for k, bell in enumerate(client._bells):
-        assert bell is not None
+    for k, bell in enumerate(_connections(client)):
         real = bell.drain
 
         def drain(below: int, limit: float, k: int = k, real: Callable[[int, float], None] = real) -> None:
@@ -334,7 +348,7 @@ def test_pushes_in_turn_go_out_one_shard_after_the_other(
     with _client(cluster, push_in_turn=push_in_turn) as client:
         client.register(model)
         client.push_pull(_clone(grads[0]))
-        assert all(b is not None and b.loopback for b in client._bells)
+        assert all(c.loopback for c in _connections(client))
         sends, drains = _timed_sends(client, delay=0.3), _timed_drains(client)
         g = _clone(grads[1])
         assert client.push_pull(g) == 2
@@ -375,7 +389,7 @@ def test_drain_waits_until_the_peer_has_taken_the_bytes() -> None:
         sender = socket.create_connection(listener.getsockname())
         peer, _ = listener.accept()
         with sender, peer:
-            assert doorbell.drain(sender, 1, 1.0)  # nothing sent: nothing to wait for
+            assert socket_client.drain(sender, 1, 1.0)  # nothing sent: nothing to wait for
             sender.setblocking(False)
             sent = 0
             with contextlib.suppress(BlockingIOError):
@@ -383,7 +397,7 @@ def test_drain_waits_until_the_peer_has_taken_the_bytes() -> None:
                     sent += sender.send(bytes(1 << 16))
             sender.setblocking(True)
             began = time.monotonic()
-            assert not doorbell.drain(sender, 64 * 1024, 0.3), "the peer has read nothing, yet drain returned"
+            assert not socket_client.drain(sender, 64 * 1024, 0.3), "the peer has read nothing, yet drain returned"
             assert time.monotonic() - began >= 0.3
             got = 0
 
@@ -394,7 +408,7 @@ def test_drain_waits_until_the_peer_has_taken_the_bytes() -> None:
 
             reader = threading.Thread(target=read)
             reader.start()
-            assert doorbell.drain(sender, 64 * 1024, 10.0)
+            assert socket_client.drain(sender, 64 * 1024, 10.0)
             reader.join(10)
             assert got == sent > 64 * 1024
 
@@ -405,7 +419,7 @@ def test_drain_waits_until_the_peer_has_taken_the_bytes() -> None:
     + [("::ffff:10.0.0.1", False), ("fe80::1%eth0", False), ("2001:db8::1", False)],
 )
 def test_a_peer_is_on_a_loopback_address(host: str, loopback: bool) -> None:
-    assert doorbell._is_loopback(host) is loopback
+    assert socket_client._is_loopback(host) is loopback
 
 
 # -- 2. raw frames over TCP ------------------------------------------------------------------------------------------
@@ -424,13 +438,13 @@ def test_a_small_frame_goes_out_whole_through_partial_sends_and_many_pieces(dtyp
         got = bytearray()
 
         def drain() -> None:
-            want = len(head) + doorbell.payload_bytes(arrays, dtype)
+            want = len(head) + frames.payload_bytes(arrays, dtype)
             while len(got) < want:
                 got.extend(b.recv(1000))
 
         reader = threading.Thread(target=drain)
         reader.start()
-        doorbell.send_frame(a, head, arrays, dtype)
+        frames.send_frame(a, head, arrays, dtype)
         reader.join(timeout=10)
     assert bytes(got) == head + b"".join(encode(x, dtype) for x in arrays)
 
@@ -626,8 +640,7 @@ def test_a_shard_without_a_data_socket_refuses_the_attach_and_the_client_uses_gr
     assert [s.data_port for s in cluster.servers] == [0, 0]
     with _client(cluster) as client:
         _train(client, _big_model())
-        assert set(client._on_grpc) == {0, 1}
-        assert client._bells == [None, None] and client._segments == [None, None]
+        assert all(link.fallback is not None and link.transport.kind == "gRPC" for link in client.links)
     shard = cluster.shards[0]
     with grpc.insecure_channel(cluster.address) as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)
@@ -655,9 +668,11 @@ def test_an_unreachable_data_socket_falls_back_to_grpc_with_a_warning(
         port = server.data_port
         with caplog.at_level(logging.WARNING, logger="worker.client"), _client(cluster) as client:
             _train(client, _big_model())
-            assert set(client._on_grpc) == {0} and client._bells[0] is None
-            assert isinstance(client._bells[1], DoorbellClient)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "worker.client" and r.levelno == logging.WARNING]
+            assert [link.fallback is not None for link in client.links] == [True, False]
+            assert [link.transport.kind for link in client.links] == ["gRPC", "data socket"]
+    warnings = [
+        r.getMessage() for r in caplog.records if r.name.startswith("worker.client") and r.levelno == logging.WARNING
+    ]
     assert len(warnings) == 1, warnings
     assert f"127.0.0.1:{port}" in warnings[0] and "cannot be reached" in warnings[0]
 
@@ -665,7 +680,7 @@ def test_an_unreachable_data_socket_falls_back_to_grpc_with_a_warning(
 def test_a_worker_on_grpc_tries_the_data_socket_again_and_leaves_grpc_once_it_is_reached(
     ps_cluster_factory: Callable[..., LocalCluster], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client_module, "RETRY_LINK_S", 0.5)
+    monkeypatch.setattr(link_module, "RETRY_LINK_S", 0.5)
     cluster = ps_cluster_factory(_config(), shards=2)
     servicer = cluster.servers[0].servicer
     port = servicer.data_port
@@ -676,18 +691,20 @@ def test_a_worker_on_grpc_tries_the_data_socket_again_and_leaves_grpc_once_it_is
         with caplog.at_level(logging.DEBUG, logger="worker.client"), _client(cluster) as client:
             client.register(model)
             client.push_pull(_like(model, 1))
-            assert set(client._on_grpc) == {0} and client._bells[0] is None
+            assert [link.fallback is not None for link in client.links] == [True, False]
+            assert client.links[0].transport.kind == "gRPC"
             time.sleep(0.6)  # past the first wait: the next step tries again, fails, and waits twice as long
             client.push_pull(_like(model, 2))
-            assert client._bells[0] is None and client._on_grpc[0].wait >= 2.0
+            fallback = client.links[0].fallback
+            assert client.links[0].transport.kind == "gRPC" and fallback is not None and fallback.wait >= 2.0
             servicer.data_port = port  # the port is open now: the next try, once the wait is over, reaches it
             client.push_pull(_like(model, 3))
-            assert client._bells[0] is None, "tried again before its wait was over"
-            time.sleep(max(0.0, client._on_grpc[0].until - time.monotonic()) + 0.05)
+            assert client.links[0].transport.kind == "gRPC", "tried again before its wait was over"
+            time.sleep(max(0.0, fallback.until - time.monotonic()) + 0.05)
             assert client.push_pull(_like(model, 4)) == 4
             assert _on_data_socket(client)
             assert client.pull(model) == 4
-    records = [r for r in caplog.records if r.name == "worker.client"]
+    records = [r for r in caplog.records if r.name.startswith("worker.client")]
     warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "cannot be reached" in warned[0], warned  # told once, not at every try
     assert any(r.levelno == logging.INFO and "leaving gRPC" in r.getMessage() for r in records)
@@ -696,7 +713,7 @@ def test_a_worker_on_grpc_tries_the_data_socket_again_and_leaves_grpc_once_it_is
 def test_a_worker_on_grpc_tries_the_data_socket_at_once_when_a_restarted_shard_forgot_it(
     ps_cluster_factory: Callable[..., LocalCluster], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client_module, "RETRY_LINK_S", 600.0)  # no timed retry within the test
+    monkeypatch.setattr(link_module, "RETRY_LINK_S", 600.0)  # no timed retry within the test
     cluster = ps_cluster_factory(_config(), shards=2)
     servicer = cluster.servers[0].servicer
     port = servicer.data_port
@@ -707,7 +724,7 @@ def test_a_worker_on_grpc_tries_the_data_socket_at_once_when_a_restarted_shard_f
         with _client(cluster) as client:
             client.register(model)
             assert client.push_pull(_like(model, 1)) == 1
-            assert set(client._on_grpc) == {0}
+            assert [link.fallback is not None for link in client.links] == [True, False]
             servicer.data_port = port
             # What a restarted shard does: it no longer knows the worker, which joins again on its next call.
             cluster.shards[0].leave(client.worker_id)
@@ -735,18 +752,18 @@ def test_a_lost_connection_is_attached_again_and_training_goes_on(
     with _client(cluster) as client:
         client.register(model)
         assert client.push_pull(_clone(grads[0])) == 1
-        old = list(client._bells)
+        old = _transports(client)
         assert _cut(cluster.servers[0]) == 1
         g = _clone(grads[1])
         assert client.push_pull(g) == 2
         _equal(g, _local_sgd(start, grads[:2], 0.1))
-        assert _on_data_socket(client) and client._bells[0] is not old[0] and client._bells[1] is old[1]
-        old = list(client._bells)
+        assert _on_data_socket(client) and _transports(client)[0] is not old[0] and _transports(client)[1] is old[1]
+        old = _transports(client)
         assert [_cut(s) for s in cluster.servers] == [1, 1]
         g = _clone(grads[2])
         assert client.push_pull(g) == 3
         _equal(g, _local_sgd(start, grads, 0.1))
-        assert _on_data_socket(client) and all(b is not o for b, o in zip(client._bells, old, strict=True))
+        assert _on_data_socket(client) and all(b is not o for b, o in zip(_transports(client), old, strict=True))
         assert [s.version for s in cluster.shards] == [3, 3]
         assert _eventually(lambda: [len(s._data._conns) for s in cluster.servers] == [1, 1]), "a cut one lingers"
 
@@ -776,7 +793,7 @@ def test_the_data_socket_speaks_tls_when_the_grpc_port_does(
     with _client(cluster, tls_ca=ca, tls_cert=cert, tls_key=key) as client:
         _train(client, _small_model())
         assert _on_data_socket(client)
-        assert all(isinstance(b._sock, ssl.SSLSocket) for b in client._bells if b is not None)
+        assert all(c.tls for c in _connections(client))
     shard, address = cluster.shards[0], ("127.0.0.1", cluster.servers[0].data_port)
     read = [Path(f).read_bytes() if f else None for f in (ca, key, cert)]
     with grpc.secure_channel(cluster.address, grpc.ssl_channel_credentials(*read)) as channel:
@@ -802,7 +819,7 @@ def test_the_data_socket_speaks_tls_when_the_grpc_port_does(
 def test_a_tls_handshake_never_finished_is_let_go(
     ps_cluster_factory: Callable[..., LocalCluster], pki: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(doorbell, "HANDSHAKE_TIMEOUT", 0.5)
+    monkeypatch.setattr(socket_server, "HANDSHAKE_TIMEOUT", 0.5)
     cluster = ps_cluster_factory(_config(tls_cert=pki["server_cert"], tls_key=pki["server_key"]), shards=1)
     data = cluster.servers[0]._data
     assert data is not None
@@ -817,11 +834,11 @@ def test_a_tls_handshake_never_finished_is_let_go(
 def test_a_peer_that_never_says_its_hello_is_let_go(
     ps_cluster_factory: Callable[..., LocalCluster], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(doorbell, "HANDSHAKE_TIMEOUT", 0.5)
+    monkeypatch.setattr(socket_server, "HANDSHAKE_TIMEOUT", 0.5)
     cluster = ps_cluster_factory(_config(), shards=1)
     data = cluster.servers[0]._data
     assert data is not None
-    for sent in (b"", doorbell._REQUEST.pack(40, 1.0, 0)):  # nothing; a head whose message never comes
+    for sent in (b"", frames.REQUEST.pack(40, 1.0, 0)):  # nothing; a head whose message never comes
         with _bell(("127.0.0.1", cluster.servers[0].data_port)) as bell:
             connected = time.monotonic()
             bell.sock.sendall(sent)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from paramserver import LocalCluster, ServerConfig
-from paramserver.cluster import PORT_LINE, READY_LINE
 from paramserver.placement import SLICE_ELEMENTS
-from paramserver.shard import make_optimizer
+from paramserver.server.cluster import PORT_LINE, READY_LINE
+from paramserver.shard.state import make_optimizer
 from worker import PSClient
 from worker.models import build_model
 
@@ -197,7 +197,7 @@ def test_a_shard_process_serves_only_once_torchs_optimizer_code_is_imported(tmp_
     does that before it serves, not in the first worker's Init, which every registering worker would wait for."""
     stderr = (tmp_path / "stderr").open("w")  # a file, not a pipe: -X importtime writes more than a pipe holds
     proc = subprocess.Popen(
-        [sys.executable, "-X", "importtime", "-m", "paramserver.cli", "--shard-index", "0", "--peers-from-stdin"]
+        [sys.executable, "-X", "importtime", "-m", "paramserver.server.cli", "--shard-index", "0", "--peers-from-stdin"]
         + ["--host", "127.0.0.1", "--port", "0", "--log-level", "INFO"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -235,7 +235,7 @@ def test_a_new_worker_resumes_from_the_servers_state(ps_cluster_factory):
 
 def _start_ps_server(*args: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "paramserver.cli", "--port", "0", "--log-level", "WARNING", *args],
+        [sys.executable, "-m", "paramserver.server.cli", "--port", "0", "--log-level", "WARNING", *args],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -314,7 +314,7 @@ def test_ps_worker_reports_bad_flags_clearly(ps_cluster):
 
 def test_ps_server_refuses_a_bad_mode():
     result = subprocess.run(
-        [sys.executable, "-m", "paramserver.cli", "--mode", "bogus"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "paramserver.server.cli", "--mode", "bogus"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 2 and "bogus" in result.stderr
 

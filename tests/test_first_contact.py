@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from paramserver import LocalCluster, ServerConfig
-from paramserver.cli import build_parser as server_parser
 from paramserver.errors import Unreachable
+from paramserver.server.cli import build_parser as server_parser
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from worker import PSClient
 from worker.cli import build_parser as worker_parser
@@ -61,21 +61,21 @@ def _one_clear_line(stderr: str, port: int, flag: str) -> None:
 @pytest.mark.parametrize("how", [["--shards", "2"], ["--shard-index", "0"]])
 def test_ps_server_on_a_taken_port_says_so_in_one_line(taken_port, how):
     extra = ["--peers", f"127.0.0.1:{taken_port}"] if "--shard-index" in how else ["--port", str(taken_port)]
-    result = _run("-m", "paramserver.cli", *how, *extra)
+    result = _run("-m", "paramserver.server.cli", *how, *extra)
     assert result.returncode != 0
     _one_clear_line(result.stderr, taken_port, "--port")
 
 
 def test_the_second_shards_port_taken_names_it(taken_port):
     # --shards 2 --port P takes P and P + 1: here P + 1 is the one in use.
-    result = _run("-m", "paramserver.cli", "--shards", "2", "--port", str(taken_port - 1))
+    result = _run("-m", "paramserver.server.cli", "--shards", "2", "--port", str(taken_port - 1))
     assert result.returncode != 0
     _one_clear_line(result.stderr, taken_port, "--port")
 
 
 @pytest.mark.parametrize("flag", ["--metrics-port", "--data-port"])
 def test_a_taken_metrics_or_data_port_names_its_flag(taken_port, flag):
-    result = _run("-m", "paramserver.cli", "--shards", "1", "--port", "0", flag, str(taken_port))
+    result = _run("-m", "paramserver.server.cli", "--shards", "1", "--port", "0", flag, str(taken_port))
     assert result.returncode != 0
     _one_clear_line(result.stderr, taken_port, flag)
 
@@ -137,7 +137,7 @@ def test_help_gives_the_default_of_every_on_off_flag(parser):
 
 def test_one_ctrl_c_is_said_once_per_process():
     server = subprocess.Popen(
-        [sys.executable, "-m", "paramserver.cli", "--shards", "2", "--port", "0"],
+        [sys.executable, "-m", "paramserver.server.cli", "--shards", "2", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

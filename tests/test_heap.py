@@ -1,4 +1,4 @@
-"""The shard's C-heap tuning (paramserver.heap) really hands memory back, measured in a fresh process."""
+"""The shard's C-heap tuning (paramserver.server.heap) really hands memory back, measured in a fresh process."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 SCRIPT = """
 import ctypes, sys
 from pathlib import Path
-from paramserver import heap
+from paramserver.server import heap
 
 def anon_kib():
     for line in Path("/proc/self/status").read_text().splitlines():

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from paramserver.cluster import LocalCluster
 from paramserver.config import ServerConfig
 from paramserver.errors import ERROR_KEY, NonFiniteGradient
+from paramserver.server.cluster import LocalCluster
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from worker.client import INLINE_BYTES, PSClient
 
@@ -52,12 +52,12 @@ def test_inline_steps_match_shared_memory_and_local_sgd(ps_cluster_factory: Call
         weights = {k: v.clone() for k, v in _model().items()}
         with PSClient(cluster.address, shared_memory=shared, data_socket=False) as client:
             client.register(weights)
-            b = client._bind(weights)
-            assert all(b.placement.shard_elements(k) * 4 <= INLINE_BYTES for k in range(2))
+            placement = client.placement(weights)
+            assert all(placement.shard_elements(k) * 4 <= INLINE_BYTES for k in range(2))
             for step in range(1, 4):
                 assert client.push_pull(_grads(step)) == step
                 client.pull(weights)
-            assert (client._segments[0] is not None) == shared
+            assert (client.links[0].transport.kind == "shared memory") == shared
         results.append(weights)
     local = {k: v.clone() for k, v in _model().items()}
     for step in range(1, 4):
@@ -132,7 +132,7 @@ def test_malformed_inline_exchanges_are_refused_and_change_nothing(
     cluster = ps_cluster_factory(SGD, shards=1)
     client, stub, channel, digest = _raw(cluster)
     try:
-        pieces = client._bind(_model()).placement.shards[0]
+        pieces = client.placement(_model()).shards[0]
         ones = {p.name: np.ones(p.length, dtype="<f4") for p in pieces}
 
         def request(**changes: object) -> ps_pb2.ExchangeRequest:

@@ -122,7 +122,7 @@ def labels_match(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 
 def parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
-    from paramserver.cli import build_parser as server_parser
+    from paramserver.server.cli import build_parser as server_parser
     from worker.cli import build_parser as worker_parser
 
     return {"ps-server": server_parser, "ps-worker": worker_parser}
@@ -431,7 +431,7 @@ def test_the_shard_wrapper_with_the_real_ps_server(tmp_path: Path) -> None:
         text=True,
     )
     try:
-        from paramserver.cluster import READY_LINE
+        from paramserver.server.cluster import READY_LINE
 
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -465,7 +465,7 @@ def test_probes_use_ports_of_their_container(rendered: Rendered) -> None:
 
 
 def test_shard_probes_check_grpc_health(rendered: Rendered) -> None:
-    from paramserver.server import SERVICE_NAME
+    from paramserver.server.shard_server import SERVICE_NAME
 
     shard = containers(rendered.job(SHARD), init=False)[0]
     _, args = resolved(rendered, SHARD)

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from paramserver.cluster import LocalCluster
 from paramserver.config import ServerConfig
 from paramserver.errors import ERROR_KEY, InvalidArgument, StaleRound, UnknownWorker
 from paramserver.placement import TensorSpec, place
-from paramserver.shard import BufferPool, Shard
+from paramserver.server.cluster import LocalCluster
+from paramserver.shard.state import BufferPool, Shard
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from worker.client import PSClient
 
@@ -173,7 +173,7 @@ def test_a_worker_kept_waiting_by_another_init_asks_again_soon_then_less_often(
     """While another worker's Init holds a shard, a registering worker asks again after 5 ms, then twice as long
     each time up to 0.1 s (a small model's Init is over in milliseconds, and a sync job's first round waits for
     its last worker to register); once the slot is free, it initialises the shard itself."""
-    import worker.client
+    import worker.client.psclient
 
     cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="sgd", lr=1.0), shards=1)
     waits: list[float] = []
@@ -183,7 +183,7 @@ def test_a_worker_kept_waiting_by_another_init_asks_again_soon_then_less_often(
         waits.append(seconds)  # every thread's: nothing else in this process sleeps while the test waits
         real_sleep(seconds)
 
-    monkeypatch.setattr(worker.client.time, "sleep", sleep)
+    monkeypatch.setattr(worker.client.psclient.time, "sleep", sleep)
     model = {"w": torch.arange(8, dtype=torch.float32)}
     with PSClient(cluster.address, timeout=CALL_TIMEOUT) as client:
         registered = threading.Event()
@@ -561,7 +561,10 @@ def test_heartbeats_keep_an_idle_worker_in_the_job(ps_cluster_factory: Callable[
 def test_a_heartbeat_outage_is_logged_when_it_starts_and_when_it_ends(caplog: pytest.LogCaptureFixture) -> None:
     config = ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=1.0, lease_timeout=3.0)
     with LocalCluster(config, shards=1, processes=True) as cluster:
-        with caplog.at_level(logging.DEBUG, logger="worker.client"), PSClient(cluster.address, timeout=CALL_TIMEOUT):
+        with (
+            caplog.at_level(logging.DEBUG, logger="worker.client"),
+            PSClient(cluster.address, timeout=CALL_TIMEOUT),
+        ):
             cluster.kill(0, signal.SIGSTOP)  # the shard hears nothing and answers nothing: every heartbeat times out
             try:
                 time.sleep(5.0)  # two heartbeats or more (one every 2 s: a 1 s wait, then a 1 s timeout) fail
@@ -570,7 +573,7 @@ def test_a_heartbeat_outage_is_logged_when_it_starts_and_when_it_ends(caplog: py
             deadline = time.monotonic() + 10.0
             while time.monotonic() < deadline and not any("answered again" in r.getMessage() for r in caplog.records):
                 time.sleep(0.1)
-    messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "worker.client"]
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name.startswith("worker.client")]
     failed = [m for level, m in messages if "heartbeat to shard" in m and level == logging.WARNING]
     assert len(failed) == 1 and cluster.address in failed[0] and "lease timeout" in failed[0], messages
     assert sum("failed again" in m for _, m in messages) >= 1, messages  # the rest of the outage at debug level

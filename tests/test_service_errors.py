@@ -21,7 +21,6 @@ import torch
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
 from google.protobuf.message import Message
 
-from paramserver.cluster import LocalCluster
 from paramserver.config import ServerConfig
 from paramserver.errors import (
     ERROR_KEY,
@@ -39,7 +38,8 @@ from paramserver.errors import (
     from_rpc_error,
 )
 from paramserver.placement import Placement, TensorSpec, place
-from paramserver.shard import Shard
+from paramserver.server.cluster import LocalCluster
+from paramserver.shard.state import Shard
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from worker.client import PSClient
 

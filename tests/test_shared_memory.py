@@ -29,16 +29,18 @@ import numpy as np
 import pytest
 import torch
 
-from paramserver import shm
-from paramserver.cluster import LocalCluster
 from paramserver.config import ServerConfig
-from paramserver.doorbell import MAX_FRAME, DoorbellClient
 from paramserver.errors import ERROR_KEY, NonFiniteGradient, NotAttached
 from paramserver.placement import SLICE_ELEMENTS, TensorSpec, place
-from paramserver.server import ShardServer
-from paramserver.shard import Shard, make_optimizer
+from paramserver.server.cluster import LocalCluster
+from paramserver.server.shard_server import ShardServer
+from paramserver.shard.state import Shard, make_optimizer
+from paramserver.transport import shm
+from paramserver.transport.socket_client import FrameClient
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
+from paramserver.wire.frames import MAX_FRAME
 from worker.client import PSClient
+from worker.client.transports import SharedMemory
 
 pytestmark = [
     pytest.mark.skipif(not shm.available(), reason="no memfd or /proc on this host"),
@@ -164,11 +166,29 @@ def _clone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _uses_shm(client: PSClient) -> bool:
-    return all(s is not None for s in client._segments) and all(b is not None for b in client._bells)
+    return all(isinstance(link.transport, SharedMemory) and link.transport.doorbell for link in client.links)
 
 
 def _uses_streams(client: PSClient) -> bool:
-    return all(s is None for s in client._segments) and all(b is None for b in client._bells)
+    return all(link.transport.kind == "gRPC" for link in client.links)
+
+
+def _segments(client: PSClient) -> list[shm.Segment]:
+    """Each shard's attached segment (every shard on shared memory)."""
+    out = []
+    for link in client.links:
+        assert isinstance(link.transport, SharedMemory), link.transport.kind
+        out.append(link.transport.segment)
+    return out
+
+
+def _doorbells(client: PSClient) -> list[FrameClient]:
+    """Each shard's doorbell connection (every shard on shared memory, with a doorbell)."""
+    out = []
+    for link in client.links:
+        assert isinstance(link.transport, SharedMemory) and link.transport.doorbell is not None
+        out.append(link.transport.doorbell)
+    return out
 
 
 def _status(err: grpc.RpcError) -> tuple[grpc.StatusCode, str | None]:
@@ -224,12 +244,14 @@ class Raw:
     def hello(self, seg: shm.Segment, worker_id: str = WORKER, **changes: object) -> ps_pb2.AttachRequest:
         fields: dict[str, object] = {
             "worker_id": worker_id,
-            "name": seg.name,
+            "shared_memory": ps_pb2.SharedMemory(name=seg.name),
             "nonce": seg.nonce,
             "elements": seg.elements,
             "model_digest": self.digest,
         }
         fields.update(changes)
+        if "name" in fields:  # the segment's name, in the oneof
+            fields["shared_memory"] = ps_pb2.SharedMemory(name=str(fields.pop("name")))
         return ps_pb2.AttachRequest(**fields)
 
     def attach(self, seg: shm.Segment, worker_id: str = WORKER, **changes: object) -> ps_pb2.AttachResponse:
@@ -295,7 +317,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 class Bell:
     """A connection to a shard's doorbell (an abstract Unix socket name) or data socket ((host, port)) speaking the
-    frames of paramserver/doorbell.py by hand."""
+    frames of paramserver/wire/frames.py by hand."""
 
     def __init__(self, address: str | tuple[str, int]) -> None:
         if isinstance(address, str):
@@ -399,12 +421,12 @@ def test_shared_memory_data_socket_and_streams_train_to_bit_identical_weights(
     ):
         runs = [_train(a, _big_model()), _train(b, _big_model()), _train(c, _big_model())]
         assert _uses_shm(a), "the shared-memory client never attached a segment or doorbell to every shard"
-        assert not a._on_grpc
+        assert all(link.fallback is None for link in a.links)
         assert _uses_streams(b) and b.shared_memory is False
-        assert all(isinstance(x, DoorbellClient) for x in c._bells) and c._segments == [None, None]
+        assert all(link.transport.kind == "data socket" for link in c.links)
         # The shards know the shm client's segments (the very ones it created), the streams client has none.
         for k, shard in enumerate(fast.shards):
-            assert shard.segment(a.worker_id, shard.model).nonce == a._segments[k].nonce
+            assert shard.segment(a.worker_id, shard.model).nonce == _segments(a)[k].nonce
         for shard in slow.shards:
             with pytest.raises(NotAttached):
                 shard.segment(b.worker_id, shard.model)
@@ -445,7 +467,7 @@ def test_shard_with_shared_memory_disabled_gets_streams_and_no_segment_stays(
         client.pull(model)
         g = _clone(grads[1])
         assert client.push_pull(g) == 2
-        assert set(client._on_grpc) == {0, 1}
+        assert all(link.fallback is not None for link in client.links)
         assert _uses_streams(client)
         assert _eventually(lambda: _fds() == before), "a refused segment's memfd is still open"
         assert _eventually(lambda: _mapped() == mapped), "a refused segment is still mapped"
@@ -460,7 +482,7 @@ def test_shard_with_shared_memory_disabled_gets_streams_and_no_segment_stays(
             stub.Join(ps_pb2.JoinRequest(worker_id=WORKER, job_name=JOB), timeout=CALL_TIMEOUT)
             request = ps_pb2.AttachRequest(
                 worker_id=WORKER,
-                name=seg.name,
+                shared_memory=ps_pb2.SharedMemory(name=seg.name),
                 nonce=seg.nonce,
                 elements=seg.elements,
                 model_digest=cluster.shards[0].model.digest,
@@ -537,8 +559,8 @@ def test_no_segment_outlives_its_client(ps_cluster_factory: Callable[..., LocalC
     try:
         client.register(model)  # attaches on every shard (the pull)
         assert _uses_shm(client)
-        fds = {_pid_fd(s)[1]: _inode(s) for s in client._segments if s is not None}
-        assert len(fds) == 2 and all(_pid_fd(s)[0] == os.getpid() for s in client._segments if s is not None)
+        fds = {_pid_fd(s)[1]: _inode(s) for s in _segments(client)}
+        assert len(fds) == 2 and all(_pid_fd(s)[0] == os.getpid() for s in _segments(client))
         assert all(_holds(fd, inode) for fd, inode in fds.items())
         assert set(_fds()) == set(before) | set(fds.values())
         # Both sides map each segment: the client, and the shard it was attached to (a thread here); no fd leaked.
@@ -922,10 +944,14 @@ def _doorbell_pull_waits(cluster: LocalCluster, model: dict[str, torch.Tensor], 
     out = []
     with PSClient(cluster.address, worker_id=WORKER, job_name=JOB, timeout=CALL_TIMEOUT) as client:
         client.register(model)
-        seg = client._segments[0]
+        seg = _segments(client)[0]
         assert seg is not None
         hello = ps_pb2.AttachRequest(
-            worker_id=WORKER, name=seg.name, nonce=seg.nonce, elements=seg.elements, model_digest=client.digest(model)
+            worker_id=WORKER,
+            shared_memory=ps_pb2.SharedMemory(name=seg.name),
+            nonce=seg.nonce,
+            elements=seg.elements,
+            model_digest=client.digest(model),
         )
         request = ps_pb2.ExchangeRequest(worker_id=WORKER, model_digest=hello.model_digest, pull=True, min_version=99)
         bell = Bell(cluster.servers[0].servicer.doorbell)
@@ -956,7 +982,11 @@ def test_doorbell_pull_waits_no_longer_than_the_shards_pull_timeout(
         seg = shm.Segment.create(cluster.shards[0].model.numel)
         try:
             hello = ps_pb2.AttachRequest(
-                worker_id=OTHER, name=seg.name, nonce=seg.nonce, elements=seg.elements, model_digest=digest
+                worker_id=OTHER,
+                shared_memory=ps_pb2.SharedMemory(name=seg.name),
+                nonce=seg.nonce,
+                elements=seg.elements,
+                model_digest=digest,
             )
             stub.Attach(hello, timeout=CALL_TIMEOUT)
             request = ps_pb2.ExchangeRequest(worker_id=OTHER, model_digest=digest, pull=True, min_version=99)
@@ -1003,12 +1033,12 @@ def test_client_reattaches_after_a_shard_process_restart(tmp_path: Path) -> None
             client.register(model)
             g = _clone(grads[0])
             assert client.push_pull(g) == 1
-            first, bell = client._segments[0], client._bells[0]
+            first, bell = _segments(client)[0], _doorbells(client)[0]
             assert first is not None and bell is not None
             first_fd, first_inode = _pid_fd(first)[1], _inode(first)
             del first  # holding it would keep its mapping alive after the client drops it
             assert first_inode in _mapped(cluster.procs[0].pid), "the shard process does not map the segment"
-            incarnation = client._incarnation[0]
+            incarnation = client.links[0].incarnation
 
             cluster.kill(0, signal.SIGTERM)  # a clean stop: the final checkpoint holds version 1
             assert cluster.procs[0].wait(timeout=20) == 0
@@ -1016,10 +1046,10 @@ def test_client_reattaches_after_a_shard_process_restart(tmp_path: Path) -> None
 
             g = _clone(grads[1])
             assert client.push_pull(g) == 2
-            second = client._segments[0]
+            second = _segments(client)[0]
             assert second is not None and _inode(second) != first_inode, "the client did not attach a new segment"
-            assert client._bells[0] is not None and client._bells[0] is not bell
-            assert client._incarnation[0] != incarnation
+            assert _doorbells(client)[0] is not bell
+            assert client.links[0].incarnation != incarnation
             expected = _local_sgd(start, grads, lr)
             for name in expected:
                 assert torch.equal(g[name], expected[name]), name
@@ -1046,32 +1076,33 @@ def test_client_reattaches_when_its_doorbell_connection_is_lost(
         g = _clone(grads[0])
         assert client.push_pull(g) == 1
         # Only numbers of the old segments: holding them would keep their mappings alive after the client drops them.
-        old_bells, old_ids = list(client._bells), [id(s) for s in client._segments]
-        old_inodes = [_inode(s) for s in client._segments]
-        old = {_pid_fd(s)[1]: _inode(s) for s in client._segments}
+        old_bells, old_ids = _doorbells(client), [id(s) for s in _segments(client)]
+        old_inodes = [_inode(s) for s in _segments(client)]
+        old = {_pid_fd(s)[1]: _inode(s) for s in _segments(client)}
 
-        client._bells[0].close()  # the connection to shard 0 is lost under the client
+        _doorbells(client)[0].close()  # the connection to shard 0 is lost under the client
         g = _clone(grads[1])
         assert client.push_pull(g) == 2
         assert _uses_shm(client)
-        assert _inode(client._segments[0]) != old_inodes[0] and client._bells[0] is not old_bells[0]
-        assert id(client._segments[1]) == old_ids[1] and client._bells[1] is old_bells[1], "shard 1 was fine"
-        assert _inode(client._segments[1]) == old_inodes[1]
+        assert _inode(_segments(client)[0]) != old_inodes[0] and _doorbells(client)[0] is not old_bells[0]
+        assert id(_segments(client)[1]) == old_ids[1] and _doorbells(client)[1] is old_bells[1], "shard 1 was fine"
+        assert _inode(_segments(client)[1]) == old_inodes[1]
         shard = cluster.shards[0]
-        assert shard.segment(client.worker_id, shard.model).nonce == client._segments[0].nonce
+        assert shard.segment(client.worker_id, shard.model).nonce == _segments(client)[0].nonce
         expected = _local_sgd(start, grads[:2], lr)
         for name in expected:
             assert torch.equal(g[name], expected[name]), name
 
-        client._bells[1]._sock.shutdown(socket.SHUT_RDWR)  # a connection that breaks under the client
+        with socket.socket(fileno=os.dup(_doorbells(client)[1].fileno())) as cut:
+            cut.shutdown(socket.SHUT_RDWR)  # a connection that breaks under the client
         g = _clone(grads[2])
         assert client.push_pull(g) == 3
-        assert _uses_shm(client) and _inode(client._segments[1]) != old_inodes[1]
+        assert _uses_shm(client) and _inode(_segments(client)[1]) != old_inodes[1]
         expected = _local_sgd(start, grads, lr)
         for name in expected:
             assert torch.equal(g[name], expected[name]), name
         # Only the two current segments are left: open in the client, mapped by the client and its shard.
-        now = {_pid_fd(s)[1]: _inode(s) for s in client._segments}
+        now = {_pid_fd(s)[1]: _inode(s) for s in _segments(client)}
         assert not set(now.values()) & set(old.values())
         assert not any(_holds(fd, inode) for fd, inode in old.items()), "a dropped segment's memfd is still open"
         assert _eventually(lambda: all(_gone(inode) for inode in old.values())), "a dropped segment is still mapped"
@@ -1136,7 +1167,11 @@ def test_a_segment_cannot_be_truncated_under_the_shard_process() -> None:
                 stub.Join(ps_pb2.JoinRequest(worker_id=WORKER, job_name=JOB), timeout=CALL_TIMEOUT)
                 stub.Attach(
                     ps_pb2.AttachRequest(
-                        worker_id=WORKER, name=seg.name, nonce=seg.nonce, elements=15, model_digest=digest
+                        worker_id=WORKER,
+                        shared_memory=ps_pb2.SharedMemory(name=seg.name),
+                        nonce=seg.nonce,
+                        elements=15,
+                        model_digest=digest,
                     ),
                     timeout=CALL_TIMEOUT,
                 )

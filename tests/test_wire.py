@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paramserver.errors import InvalidArgument, MalformedStream, NonFiniteGradient
-from paramserver.wire import (
+from paramserver.wire.chunks import (
     BFLOAT16,
     FLOAT16,
     FLOAT32,
@@ -402,8 +402,16 @@ def test_receiver_accepts_memoryview_data_and_the_unspecified_dtype() -> None:
     assert list(target) == [1.0, 2.0, 3.0, 4.0]
 
 
-def test_receiver_with_no_pieces_finishes() -> None:
-    ChunkReceiver([], [], FLOAT32).finish()
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_receiver_with_no_pieces_finishes_and_refuses_any_chunk(dtype: int) -> None:
+    """A shard may hold no piece of a small model: its stream is empty, and complete as it is."""
+    receiver = ChunkReceiver([], [], dtype)
+    receiver.finish()  # nothing missing: no MalformedStream
+    for piece, offset, data in [(0, 0, encode(np.ones(2, dtype=np.float32), dtype)), (0, 0, b""), (1, 5, b"\0")]:
+        with pytest.raises(MalformedStream, match=rf"piece {piece}\b") as info:
+            receiver.add(piece, offset, data)
+        assert isinstance(info.value, InvalidArgument)
+    receiver.finish()  # the refused chunks left it as it was
 
 
 # --- ChunkReceiver: malformed streams -----------------------------------------------------------------------

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from paramserver.config import MODES
+from paramserver import modes
 
 TARGET_ACCURACY = 0.95
 
@@ -62,7 +62,7 @@ def _address_of(server: subprocess.Popen[str], timeout: float = 120.0) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; return 0 when every worker reached the target accuracy."""
     parser = argparse.ArgumentParser(prog="python -m worker.demo", description=__doc__)
-    parser.add_argument("--mode", default="sync", choices=MODES, help="consistency mode")
+    parser.add_argument("--mode", default="sync", choices=modes.NAMES, help=f"consistency mode: {modes.describe()}")
     parser.add_argument("--shards", type=int, default=2, help="shard processes")
     parser.add_argument("--workers", type=int, default=2, help="worker processes")
     parser.add_argument(
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server_cmd = [
         sys.executable,
         "-m",
-        "paramserver.cli",
+        "paramserver.server.cli",
         "--shards",
         str(args.shards),
         "--mode",

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from paramserver.files import atomic_write
 
 
 def plot_history(history: dict[str, list[float]], path: str, title: str = "") -> None:
@@ -28,9 +27,7 @@ def plot_history(history: dict[str, list[float]], path: str, title: str = "") ->
     if title:
         loss_ax.set_title(title)
     fig.tight_layout()
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, target)
+    try:
+        atomic_write(path, lambda f: fig.savefig(f, format="png"))
+    finally:
+        plt.close(fig)

@@ -4,27 +4,26 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from paramserver import modes
 from paramserver.config import config_field
 from paramserver.errors import Aborted, PullTimeout
+from paramserver.files import atomic_write
 from paramserver.security import read_token
+from paramserver.wire import dtypes
 from worker.client import PSClient, Tensors
 from worker.data import Dataset, batches, load_dataset, shard_for_rank, steps_per_epoch
 from worker.models import BUILTIN_MODELS, build_model
 from worker.overlap import Overlap
 
 log = logging.getLogger(__name__)
-
-OVERLAP_MODES = ("async", "ssp")  # the jobs whose workers may send a gradient one step late
 
 
 @dataclass(frozen=True)
@@ -51,8 +50,8 @@ class TrainConfig:
     seed: int = config_field(0, "seed of the model's initial weights and of the data order")
     wire_dtype: str = config_field(
         "float32",
-        "dtype of tensors on the wire: float32, bf16 or fp16 (the servers keep float32)",
-        choices=("float32", "bf16", "fp16"),
+        f"dtype of tensors on the wire: {', '.join(dtypes.NAMES)} (the servers keep float32)",
+        choices=dtypes.NAMES,
     )
     shared_memory: bool = config_field(
         True,
@@ -144,20 +143,13 @@ def evaluate(
 
 def save_state_dict(model: torch.nn.Module, path: str) -> None:
     """Write the model's state_dict (CPU tensors) atomically: a temp file, then rename."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
-    os.replace(tmp, target)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def write_json(path: str, doc: dict[str, Any]) -> None:
     """Write a JSON document atomically."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, target)
+    atomic_write(path, json.dumps(doc, indent=2) + "\n")
 
 
 def _pull_once_closed(
@@ -201,9 +193,11 @@ def _overlap(
     """The Overlap that runs the exchanges in the background, where the job allows it; else None."""
     if not config.overlap:
         return None
-    if client.mode not in OVERLAP_MODES:
+    job = modes.BY_NAME.get(client.mode)
+    if job is None or not job.overlap:
+        overlapping = " or ".join(m.name for m in modes.BY_NAME.values() if m.overlap)
         raise ValueError(
-            f"--overlap needs an async or ssp job, and the servers run a {client.mode} job: a sync round averages "
+            f"--overlap needs an {overlapping} job, and the servers run a {client.mode} job: a sync round averages "
             "gradients of its own weights, which a worker a step ahead cannot send (leave --overlap off)"
         )
     return Overlap(model, exchange)

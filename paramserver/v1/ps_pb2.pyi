@@ -239,20 +239,30 @@ class PushResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("worker_id", "name", "nonce", "elements", "model_digest", "socket")
+    __slots__ = ("worker_id", "nonce", "elements", "model_digest", "shared_memory", "data_socket")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    NAME_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
-    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    name: str
     nonce: bytes
     elements: int
     model_digest: str
-    socket: bool
-    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., nonce: _Optional[bytes] = ..., elements: _Optional[int] = ..., model_digest: _Optional[str] = ..., socket: _Optional[bool] = ...) -> None: ...
+    shared_memory: SharedMemory
+    data_socket: DataSocket
+    def __init__(self, worker_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., elements: _Optional[int] = ..., model_digest: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemory, _Mapping]] = ..., data_socket: _Optional[_Union[DataSocket, _Mapping]] = ...) -> None: ...
+
+class SharedMemory(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DataSocket(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("doorbell", "data_port")

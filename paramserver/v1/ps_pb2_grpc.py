@@ -158,10 +158,10 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Exchange(self, request, context):
-        """Unary. Push and/or pull through the attached segment, with the statuses of Push and Pull;
-        FAILED_PRECONDITION when no segment is attached for this worker and model (attach again). The same request as
-        a doorbell or data-socket frame: a field past its bound is answered INVALID_ARGUMENT; bytes that are no
-        ExchangeRequest end the connection.
+        """Unary. Push and/or pull through the attached segment, or inline (SPEC.md section 9), with the statuses of Push
+        and Pull; FAILED_PRECONDITION when not inline and no segment is attached for this worker and model (attach
+        again). The same request as a doorbell or data-socket frame: a field past its bound is answered
+        INVALID_ARGUMENT; bytes that are no ExchangeRequest end the connection.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -12,7 +12,8 @@ import time
 from types import TracebackType
 
 from paramserver.config import ServerConfig
-from paramserver.server import ShardServer
+from paramserver.procs import die_with_parent
+from paramserver.server.shard_server import ShardServer
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class LocalCluster:
 
     def _spawn(self, i: int, port: int) -> subprocess.Popen[str]:
         cmd = [
-            sys.executable, "-m", "paramserver.cli", "--shard-index", str(i), "--peers-from-stdin",
+            sys.executable, "-m", "paramserver.server.cli", "--shard-index", str(i), "--peers-from-stdin",
             "--host", self.host, "--port", str(port), "--log-level", self.log_level,
             *config_to_args(self._shard_config(i)),
         ]  # fmt: skip
@@ -114,7 +115,7 @@ class LocalCluster:
             text=True,
             bufsize=1,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,  # SIGTERM: no shard outlives its parent, each checkpoints
         )
 
     def _start_processes(self) -> None:
@@ -214,16 +215,6 @@ class LocalCluster:
         if not self.processes:
             raise RuntimeError("only shard processes can be killed")
         os.kill(self.procs[index].pid, sig)
-
-
-def _die_with_parent() -> None:
-    """In a shard subprocess before exec: get SIGTERM when the parent dies (Linux), so no shard outlives a
-    crashed or killed test run or ps-server; SIGTERM still lets the shard checkpoint and exit cleanly."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _drain(proc: subprocess.Popen[str]) -> None:

@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
-from paramserver import codec
 from paramserver.errors import OutOfBounds, Undecodable
 from paramserver.v1 import ps_pb2
+from paramserver.wire import codec
 
 M = TypeVar("M", bound=Message)
 

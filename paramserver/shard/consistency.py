@@ -1,4 +1,5 @@
-"""Consistency policies: when a validated gradient becomes an update. One small class per mode.
+"""Consistency policies: when a validated gradient becomes an update. One small class per mode, registered under
+the mode's ps.proto value (POLICIES).
 
 A policy is called by the Shard under the shard's lock, with a gradient that has already passed every check, and
 raises before touching anything when it refuses a push, so a refused push changes nothing.
@@ -7,12 +8,16 @@ raises before touching anything when it refuses a push, so a refused push change
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
+from paramserver import modes
+from paramserver.config import ServerConfig
 from paramserver.errors import StaleRound
-from paramserver.membership import Membership
+from paramserver.shard.membership import Membership
+from paramserver.v1 import ps_pb2
 
 
 class Applier(Protocol):
@@ -270,12 +275,16 @@ class SSPPolicy(AsyncPolicy):
         )
 
 
-def make_policy(mode: str, backup_workers: int = 0, staleness: int = 3, max_staleness: int = 0) -> Policy:
-    """Return the policy object for a mode name."""
-    if mode == "sync":
-        return SyncPolicy(backup_workers)
-    if mode == "async":
-        return AsyncPolicy(max_staleness)
-    if mode == "ssp":
-        return SSPPolicy(staleness, max_staleness)
-    raise ValueError(f"unknown mode {mode!r}")
+# The policy of each mode, keyed by ps.proto's Mode (paramserver.modes): a new mode is one entry here and one there.
+POLICIES: dict[int, Callable[[ServerConfig], Policy]] = {
+    ps_pb2.SYNC: lambda c: SyncPolicy(c.backup_workers),
+    ps_pb2.ASYNC: lambda c: AsyncPolicy(c.max_staleness),
+    ps_pb2.SSP: lambda c: SSPPolicy(c.staleness, c.max_staleness),
+}
+if set(POLICIES) != set(modes.BY_WIRE):
+    raise ImportError("paramserver.shard.consistency: every mode of paramserver.modes needs exactly one policy")
+
+
+def make_policy(config: ServerConfig) -> Policy:
+    """Return the policy object for the job's mode."""
+    return POLICIES[modes.mode_wire(config.mode)](config)

@@ -1,6 +1,7 @@
 """Tensors <-> chunks: raw little-endian bytes, written straight into preallocated float32 arrays.
 
-Depends on numpy (and torch only for bfloat16 rounding); shared by the servicer and the worker's client.
+The wire dtypes themselves (sizes, names, codecs) are registered in paramserver.wire.dtypes; these functions keep
+their names for the servicer, the frames and the worker's client. Depends on numpy and torch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from paramserver.errors import MalformedStream, NonFiniteGradient
 from paramserver.v1 import ps_pb2
+from paramserver.wire.dtypes import lookup
 
 # ~1 MiB per chunk: what MEASURED.md found fastest for gRPC Python streams on this machine.
 CHUNK_BYTES = 1 << 20
@@ -21,33 +23,15 @@ FLOAT32 = ps_pb2.FLOAT32
 BFLOAT16 = ps_pb2.BFLOAT16
 FLOAT16 = ps_pb2.FLOAT16
 
-_ITEMSIZE: dict[int, int] = {FLOAT32: 4, BFLOAT16: 2, FLOAT16: 2}
-_NAMES = {
-    "float32": FLOAT32,
-    "fp32": FLOAT32,
-    "bfloat16": BFLOAT16,
-    "bf16": BFLOAT16,
-    "float16": FLOAT16,
-    "fp16": FLOAT16,
-}
-
 
 def wire_dtype(name_or_code: str | int) -> int:
     """Return the proto DType for 'float32' / 'bf16' / 'fp16' (or a DType number); unspecified means float32."""
-    if isinstance(name_or_code, str):
-        try:
-            return _NAMES[name_or_code.lower()]
-        except KeyError:
-            raise ValueError(f"unknown wire dtype {name_or_code!r}; use float32, bf16 or fp16") from None
-    code = int(name_or_code) or FLOAT32
-    if code not in _ITEMSIZE:
-        raise MalformedStream(f"unknown wire dtype {name_or_code}")
-    return code
+    return lookup(name_or_code).code
 
 
 def itemsize(dtype: int) -> int:
     """Bytes per element of a wire dtype."""
-    return _ITEMSIZE[wire_dtype(dtype)]
+    return lookup(dtype).itemsize
 
 
 def encode(values: np.ndarray, dtype: int) -> bytes:
@@ -62,41 +46,12 @@ def encode_view(values: np.ndarray, dtype: int, out: np.ndarray | None = None) -
     A sender that encodes chunk after chunk passes one `out` for them all: a fresh 1 MiB array per chunk is an
     mmap, 256 page faults and an munmap where the mmap threshold is pinned (a shard), which made encoding a bf16
     pull 4x slower than the conversion itself."""
-    dtype = wire_dtype(dtype)
-    if dtype == FLOAT32:
-        if values.dtype != np.dtype("<f4") or not values.flags.c_contiguous:
-            values = np.ascontiguousarray(values, dtype="<f4")
-        return values.data.cast("B")
-    n = values.size
-    if out is None:
-        out = np.empty(2 * n, dtype=np.uint8)
-    half = out[: 2 * n]
-    if dtype == FLOAT16:
-        np.copyto(half.view("<f2"), values, casting="same_kind")
-    else:
-        # numpy has no bfloat16; torch rounds correctly and its bits are the upper half of a float32.
-        bf16 = torch.from_numpy(half.view(np.int16)).view(torch.bfloat16)
-        bf16.copy_(torch.from_numpy(np.ascontiguousarray(values)))
-    return half.data.cast("B")
+    return lookup(dtype).encode(values, out)
 
 
 def decode_into(dst: np.ndarray, data: bytes | memoryview, dtype: int) -> None:
     """Write wire bytes into the float32 array `dst` (same number of elements), without a temporary array."""
-    dtype = wire_dtype(dtype)
-    if dtype == FLOAT32:
-        dst[:] = np.frombuffer(data, dtype="<f4")
-    elif torch.get_num_threads() == 1 and dst.size and not memoryview(data).readonly:
-        # One pass in torch (bf16: 3.9 ms per 12.5 M elements against 7.2 for numpy's widen-then-shift). Only on
-        # one thread: a chunk is too small for torch's thread pool, which stalls on busy cores; and only from a
-        # writable buffer (the data socket's), since torch warns about read-only ones (a gRPC message's bytes).
-        half = torch.bfloat16 if dtype == BFLOAT16 else torch.float16
-        torch.from_numpy(dst).copy_(torch.frombuffer(data, dtype=half))
-    elif dtype == FLOAT16:
-        dst[:] = np.frombuffer(data, dtype="<f2")
-    else:
-        bits = dst.view(np.uint32)
-        bits[:] = np.frombuffer(data, dtype="<u2")
-        bits <<= 16
+    lookup(dtype).decode(dst, data)
 
 
 def iter_chunks(
@@ -107,12 +62,12 @@ def iter_chunks(
     float32 chunks are views of the sources (no copy): use each before the sources change. With `reuse`, the
     half types are encoded into one buffer for all chunks: use each chunk before asking for the next.
     """
-    dtype = wire_dtype(dtype)
-    step = max(1, chunk_bytes // itemsize(dtype))
-    out = np.empty(step * itemsize(dtype), dtype=np.uint8) if reuse and dtype != FLOAT32 else None
+    kind = lookup(dtype)
+    step = max(1, chunk_bytes // kind.itemsize)
+    out = np.empty(step * kind.itemsize, dtype=np.uint8) if reuse and kind.code != FLOAT32 else None
     for k, src in enumerate(sources):
         for off in range(0, len(src), step):
-            yield k, off, encode_view(src[off : off + step], dtype, out)
+            yield k, off, kind.encode(src[off : off + step], out)
 
 
 def is_finite(values: np.ndarray) -> bool:
@@ -151,8 +106,8 @@ class ChunkReceiver:
     ) -> None:
         self._targets = targets
         self._names = names
-        self._dtype = wire_dtype(dtype)
-        self._itemsize = _ITEMSIZE[self._dtype]
+        self._dtype = lookup(dtype)
+        self._itemsize = self._dtype.itemsize
         self._check_finite = check_finite
         self._starts: list[list[int]] = [[] for _ in targets]
         self._ends: list[list[int]] = [[] for _ in targets]
@@ -176,7 +131,7 @@ class ChunkReceiver:
         if (i > 0 and ends[i - 1] > offset) or (i < len(starts) and starts[i] < offset + n):
             raise MalformedStream(f"chunk of {name} at [{offset}, {offset + n}) overlaps one already received")
         dst = self._targets[piece][offset : offset + n]
-        decode_into(dst, data, self._dtype)
+        self._dtype.decode(dst, data)
         if self._check_finite and not is_finite(dst):
             raise NonFiniteGradient(f"{name} holds NaN or Inf in elements [{offset}, {offset + n})")
         starts.insert(i, offset)

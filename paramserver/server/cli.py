@@ -10,11 +10,11 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from paramserver import heap
-from paramserver.cluster import ERROR_LINE, PORT_LINE, READY_LINE, LocalCluster
 from paramserver.config import ServerConfig, add_arguments, from_arguments
-from paramserver.server import BindError, ShardServer
-from paramserver.shard import warm_up_optimizer
+from paramserver.server import heap
+from paramserver.server.cluster import ERROR_LINE, PORT_LINE, READY_LINE, LocalCluster
+from paramserver.server.shard_server import BindError, ShardServer
+from paramserver.shard.optimizers import warm_up_optimizer
 
 log = logging.getLogger("paramserver")
 

@@ -4,9 +4,10 @@ File layout (one file per shard and version, `shard-III-vVVVVVVVVVVVV.ckpt`):
 
     b"PSCKPT01" | u64 little-endian header length | header JSON | tensor bytes ... | sha256 of all before it
 
-A file is written to a temporary name, fsynced, renamed into place and the directory fsynced, so a crash leaves
-either the old set or the new one; the newest `KEEP` files stay, so a damaged newest file falls back to the one
-before it. A file whose checksum, header or sizes do not add up is reported and skipped.
+A file is written to a temporary name, fsynced, renamed into place and the directory fsynced
+(paramserver.files.atomic_write), so a crash leaves either the old set or the new one; the newest `KEEP` files
+stay, so a damaged newest file falls back to the one before it. A file whose checksum, header or sizes do not add
+up is reported and skipped.
 """
 
 from __future__ import annotations
@@ -14,17 +15,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
+from paramserver.files import atomic_write
 from paramserver.placement import TensorSpec
 
 log = logging.getLogger(__name__)
@@ -123,9 +124,9 @@ def save(directory: str | Path, snap: Snapshot, keep: int = KEEP) -> Path:
         }
     ).encode()
     target = path_for(directory, snap.shard_index, snap.version)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    digest = hashlib.sha256()
-    with open(tmp, "wb") as f:
+
+    def write(f: BinaryIO) -> None:
+        digest = hashlib.sha256()
         for part in (MAGIC, struct.pack("<Q", len(header)), header):
             f.write(part)
             digest.update(part)
@@ -134,21 +135,11 @@ def save(directory: str | Path, snap: Snapshot, keep: int = KEEP) -> Path:
             f.write(view)
             digest.update(view)
         f.write(digest.digest())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
-    _fsync_dir(directory)
+
+    atomic_write(target, write, durable=True)
     for old in list_checkpoints(directory, snap.shard_index)[keep:]:
         old.unlink(missing_ok=True)
     return target
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def list_checkpoints(directory: str | Path, shard_index: int) -> list[Path]:

@@ -13,11 +13,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.config import ServerConfig
-from paramserver.doorbell import DoorbellServer, tcp_listener
-from paramserver.metrics import MetricsServer
 from paramserver.security import TokenAuth, read_token, server_credentials, server_ssl_context
-from paramserver.service import ParameterServerServicer, add_to_server
-from paramserver.shard import Shard
+from paramserver.server.exchange import ExchangeHandler
+from paramserver.server.frame_service import FrameService
+from paramserver.server.metrics import MetricsServer
+from paramserver.server.service import Endpoints, ParameterServerServicer, add_to_server
+from paramserver.shard.state import Shard
+from paramserver.transport.socket_server import FrameServer, tcp_listener
 from paramserver.v1 import ps_pb2
 
 log = logging.getLogger(__name__)
@@ -69,8 +71,10 @@ class ShardServer:
     ) -> None:
         self.shard = shard
         self.servicer = servicer
-        self._doorbell: DoorbellServer | None = None
-        self._data: DoorbellServer | None = None
+        self.endpoints = servicer.endpoints  # filled in by `start` as the doorbell and the data socket listen
+        self.frames = FrameService(servicer.handler)
+        self._doorbell: FrameServer | None = None
+        self._data: FrameServer | None = None
         self._data_listener: socket.socket | None = None
         self.port = port
         self.host = "127.0.0.1"  # where the gRPC port listens; the metrics port listens there too
@@ -92,7 +96,7 @@ class ShardServer:
         interceptors = [TokenAuth(read_token(config.auth_token_file))] if config.auth_token_file else []
         # so_reuseport off: a second server on the same port must fail, not silently share it.
         server = grpc.server(pool, interceptors=interceptors, options=[*grpc_options(config), ("grpc.so_reuseport", 0)])
-        servicer = ParameterServerServicer(shard)
+        servicer = ParameterServerServicer(shard, Endpoints(), ExchangeHandler(shard))
         add_to_server(servicer, server)
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -135,34 +139,32 @@ class ShardServer:
         self.shard.addresses = tuple(addresses)
         self.shard.restore()
         self.shard.start()
+        frames, rejected = self.frames, self.servicer.handler.rejected
         if self.shard.config.shared_memory:
-            # Same-host workers' Exchanges over a Unix socket (see paramserver.doorbell).
-            self._doorbell = DoorbellServer(self._verify, self.servicer.exchange_frame, self.servicer.rejected)
-            self.servicer.doorbell = str(self._doorbell.address)
+            # Same-host workers' Exchanges over a Unix socket (see paramserver.transport.socket_server).
+            self._doorbell = FrameServer(frames.verify, frames.exchange, rejected)
+            self.endpoints.doorbell = str(self._doorbell.address)
         if self._data_listener is not None:
             # Other hosts' workers' tensors, as raw bytes over TCP (TLS like the gRPC port when it has TLS).
             c = self.shard.config
-            self._data = DoorbellServer(
-                self._verify,
-                self.servicer.exchange_frame,
-                self.servicer.rejected,
+            self._data = FrameServer(
+                frames.verify,
+                frames.exchange,
+                rejected,
                 listener=self._data_listener,
                 tls=server_ssl_context(c.tls_cert, c.tls_key, c.tls_ca),
-                payload_limit=self.servicer.payload_limit,
+                payload_limit=frames.payload_limit,
             )
-            self.servicer.data_port = self._data.port
+            self.endpoints.data_port = self._data.port
         self._server.start()
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("shard %d of %d serving on port %d", self.shard.index, len(addresses), self.port)
 
-    def _verify(self, hello: ps_pb2.AttachRequest) -> None:
-        self.shard.verify_segment(hello.worker_id, hello.name, hello.nonce)
-
     @property
     def data_port(self) -> int:
         """The port of the shard's data socket (0: none)."""
-        return self.servicer.data_port
+        return self.endpoints.data_port
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop cleanly: let a sync round in progress close, finish the RPCs in flight, write a final checkpoint.

@@ -1,0 +1,49 @@
+"""Write a file whole or not at all: the one atomic-write helper (checkpoints, saved models, plots, JSON results)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+# What to write: the bytes, a text (UTF-8), or a function that writes into the open binary file.
+Content = bytes | str | Callable[[BinaryIO], object]
+
+
+def atomic_write(path: str | Path, content: Content, *, durable: bool = False) -> Path:
+    """Write `content` to `path` through a temporary file beside it, renamed over it, so a reader never sees half
+    a file; return the path. `durable`: fsync the file before the rename and the directory after it, so that a
+    crash of the host, not only of this process, leaves the old file or the new one."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Hidden and unique to this writer: no reader lists it, no other writer of the same path takes it over.
+    tmp = target.with_name(f".{target.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            if isinstance(content, bytes):
+                f.write(content)
+            elif isinstance(content, str):
+                f.write(content.encode())
+            else:
+                content(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(target.parent)
+    return target
+
+
+def fsync_dir(directory: str | Path) -> None:
+    """Make a rename or an unlink in `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,313 @@
+"""The gRPC servicer: a thin layer from RPCs to the Shard and the exchange handler (paramserver.server.exchange);
+every error goes through errors.rpc_errors."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from paramserver import modes
+from paramserver.errors import DataSocketUnavailable, InvalidArgument, MalformedStream, TooLarge, rpc_errors
+from paramserver.placement import SLICE_ELEMENTS, TensorSpec
+from paramserver.server import heap
+from paramserver.server.exchange import (
+    ChunksGradient,
+    ChunksWeights,
+    ExchangeHandler,
+    GradientSource,
+    LentWeights,
+    StreamGradient,
+    Want,
+    WeightsSink,
+    segment_route,
+)
+from paramserver.shard.state import Shard
+from paramserver.v1 import ps_pb2, ps_pb2_grpc
+from paramserver.wire import bounds, codec
+from paramserver.wire.chunks import ChunkReceiver, wire_dtype
+
+
+class ClientStream:
+    """The raw messages of a client stream (Init, Push), parsed, size- and bound-checked here rather than by gRPC.
+
+    gRPC's own refusal of a message (unparsable, or over its size limit) ends the request iterator exactly as a
+    client's normal end of stream does, so a handler could not tell a complete stream from a cut one. Parsing
+    here turns each bad message into a status of our own, raised before anything is applied.
+    """
+
+    def __init__(
+        self, raw: Iterator[bytes], decode: Callable[[bytes], Any], kind: str, limit: int, context: grpc.ServicerContext
+    ) -> None:
+        self._raw = raw
+        self._decode = decode
+        self._kind = kind
+        self._limit = limit
+        self._context = context
+        self.bytes = 0  # raw bytes received so far
+
+    def _next(self) -> Any | None:
+        data = next(self._raw, None)
+        if data is None:
+            if not self._context.is_active():
+                raise MalformedStream(f"the {self._kind} stream was cut off")
+            return None
+        self.bytes += len(data)
+        if len(data) > self._limit:
+            raise TooLarge(
+                f"a {self._kind} of {len(data)} bytes is over the limit of {self._limit} "
+                f"(max_message_bytes); send chunks of about 1 MiB"
+            )
+        return self._decode(data)  # Undecodable, OutOfBounds (see paramserver.wire.bounds)
+
+    def header(self) -> Any:
+        """Return the header that must open the stream."""
+        first = self._next()
+        if first is None or isinstance(first, codec.Chunk) or first.WhichOneof("kind") != "header":
+            raise MalformedStream(f"a {self._kind} stream must start with its header")
+        return first.header
+
+    def receive(self, targets: Sequence[np.ndarray], names: Sequence[str], dtype: int) -> None:
+        """Write every remaining message, all chunks, into the targets (validated, NaN/Inf refused by a
+        ChunkReceiver); raise unless they end up complete."""
+        receiver = ChunkReceiver(targets, names, wire_dtype(dtype), check_finite=True)
+        while (msg := self._next()) is not None:
+            if not isinstance(msg, codec.Chunk):
+                raise MalformedStream("only chunks may follow the header")
+            receiver.add(msg.piece, msg.offset, msg.data)
+        receiver.finish()
+
+
+def specs_from_proto(specs: Iterable[ps_pb2.TensorSpec]) -> list[TensorSpec]:
+    """Convert wire tensor specs, refusing empty names."""
+    out = []
+    for s in specs:
+        if not s.name:
+            raise InvalidArgument("every tensor needs a name")
+        out.append(TensorSpec(s.name, tuple(int(d) for d in s.shape)))
+    return out
+
+
+@dataclass
+class Endpoints:
+    """Where a shard's frame transports listen, as Attach announces them to workers.
+
+    The ShardServer that opens the doorbell and the data socket creates this, hands it to the servicer at
+    construction, and fills in each field once that transport listens; the servicer only reads it. Empty: none
+    (not yet, or disabled).
+    """
+
+    doorbell: str = ""  # the doorbell's abstract Unix socket address (paramserver.transport.socket_server)
+    data_port: int = 0  # the data socket's TCP port
+
+
+class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
+    """Serve one Shard over gRPC: decode, pick an exchange's gradient source and weights sink, call the handler."""
+
+    def __init__(
+        self, shard: Shard, endpoints: Endpoints | None = None, handler: ExchangeHandler | None = None
+    ) -> None:
+        self.shard = shard
+        self.endpoints = endpoints or Endpoints()
+        self.handler = handler or ExchangeHandler(shard)
+        self._init_stream = bounds.stream_decoder(ps_pb2.InitMessage, "Init")
+        self._push_stream = bounds.stream_decoder(ps_pb2.PushMessage, "Push")
+
+    # Read (and, by tests, redirected) through the servicer; the ShardServer sets them in `endpoints`.
+    @property
+    def doorbell(self) -> str:
+        """The doorbell address Attach announces ("": none)."""
+        return self.endpoints.doorbell
+
+    @property
+    def data_port(self) -> int:
+        """The data-socket port Attach announces (0: none)."""
+        return self.endpoints.data_port
+
+    @data_port.setter
+    def data_port(self, port: int) -> None:
+        self.endpoints.data_port = port
+
+    def _stream(
+        self, raw: Iterator[bytes], decode: Callable[[bytes], Any], kind: str, context: grpc.ServicerContext
+    ) -> ClientStream:
+        return ClientStream(raw, decode, kind, self.shard.config.max_message_bytes, context)
+
+    def decoding(self, rpc: str, message: type[Any], behaviour: Callable[[Any, grpc.ServicerContext], Any]) -> Any:
+        """`behaviour` as a handler of raw request bytes: the one place a unary request is decoded. Bytes over
+        max_message_bytes are TooLarge, bytes that are no `message` Undecodable, a field past its bound in ps.proto
+        OutOfBounds, each refused (and counted) before the behaviour runs."""
+        decode = bounds.decoder(message, rpc)
+        kind = message.DESCRIPTOR.name
+
+        def handle(raw: bytes, context: grpc.ServicerContext) -> Any:
+            with rpc_errors(context, rpc, self.handler.rejected):
+                limit = self.shard.config.max_message_bytes
+                if len(raw) > limit:
+                    raise TooLarge(
+                        f"{rpc}: a {kind} of {len(raw)} bytes is over the limit of {limit} (max_message_bytes)"
+                    )
+                request = decode(raw)
+            return behaviour(request, context)
+
+        return handle
+
+    def GetTopology(self, request: ps_pb2.GetTopologyRequest, context: grpc.ServicerContext) -> ps_pb2.Topology:
+        with rpc_errors(context, "GetTopology", self.handler.rejected):
+            c = self.shard.config
+            d = self.shard.describe()
+            return ps_pb2.Topology(
+                shards=self.shard.addresses,
+                shard_index=self.shard.index,
+                job=ps_pb2.JobInfo(
+                    mode=modes.mode_wire(c.mode),
+                    workers=c.workers,
+                    optimizer=c.optimizer,
+                    lr=c.lr,
+                    job_name=c.job_name,
+                ),
+                initialized=d.initialized,
+                model_digest=d.digest,
+                specs=[ps_pb2.TensorSpec(name=s.name, shape=s.shape) for s in d.specs],
+                version=d.version,
+                slice_elements=SLICE_ELEMENTS,
+            )
+
+    def Join(self, request: ps_pb2.JoinRequest, context: grpc.ServicerContext) -> ps_pb2.JoinResponse:
+        with rpc_errors(context, "Join", self.handler.rejected):
+            rank, version = self.shard.join(request.worker_id, request.job_name)
+            return ps_pb2.JoinResponse(
+                rank=rank,
+                world_size=self.shard.config.workers,
+                version=version,
+                lease_timeout_s=self.shard.config.lease_timeout,
+                incarnation=self.shard.incarnation,
+            )
+
+    def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
+        with rpc_errors(context, "Leave", self.handler.rejected):
+            self.shard.leave(request.worker_id, request.finished)
+            return ps_pb2.LeaveResponse()
+
+    def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
+        with rpc_errors(context, "Heartbeat", self.handler.rejected):
+            return ps_pb2.HeartbeatResponse(version=self.shard.heartbeat(request.worker_id))
+
+    def Init(
+        self, request_iterator: Iterator[ps_pb2.InitMessage], context: grpc.ServicerContext
+    ) -> ps_pb2.InitResponse:
+        try:
+            with rpc_errors(context, "Init", self.handler.rejected), self.shard.initialising():
+                stream = self._stream(request_iterator, self._init_stream, "InitMessage", context)
+                header = stream.header()
+                self.shard.check_worker(header.worker_id)
+                model = self.shard.prepare_init(
+                    specs_from_proto(header.specs),
+                    header.num_shards,
+                    header.model_digest,
+                )
+                stream.receive(model.views(model.params.numpy()), model.labels, header.dtype)
+                return ps_pb2.InitResponse(version=self.shard.commit_init(model))
+        finally:
+            # An Init, taken or refused, leaves the slices gRPC read its stream into free but resident.
+            heap.release_free_memory()
+
+    def _timeout(self, context: grpc.ServicerContext) -> float:
+        """How long a pull may wait: the call's deadline (the handler caps it at the shard's pull_timeout)."""
+        remaining = context.time_remaining()
+        return math.inf if remaining is None else remaining
+
+    def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        with rpc_errors(context, "Pull", self.handler.rejected):
+            want = Want(request.worker_id, None, min_version=request.min_version, incarnation=request.incarnation)
+            sink = LentWeights(wire_dtype(request.dtype))
+            reply = self.handler.exchange(want, None, None, sink, self._timeout(context))
+            try:
+                yield ps_pb2.PullMessage(header=reply.pulled).SerializeToString()
+                for piece, offset, data in sink.chunks():
+                    yield codec.encode_chunk(piece, offset, data)
+            finally:
+                sink.release()
+
+    def Push(
+        self, request_iterator: Iterator[ps_pb2.PushMessage], context: grpc.ServicerContext
+    ) -> ps_pb2.PushResponse:
+        with rpc_errors(context, "Push", self.handler.rejected):
+            stream = self._stream(request_iterator, self._push_stream, "PushMessage", context)
+            header = stream.header()
+            want = Want(header.worker_id, header.model_digest, header.step, header.base_version)
+            model = self.handler.model(header.model_digest)
+            reply = self.handler.exchange(want, model, StreamGradient(stream, header.dtype), None, 0.0)
+            return ps_pb2.PushResponse(version=reply.version, applied=reply.applied)
+
+    def Attach(self, request: ps_pb2.AttachRequest, context: grpc.ServicerContext) -> ps_pb2.AttachResponse:
+        with rpc_errors(context, "Attach", self.handler.rejected):
+            kind = request.WhichOneof("kind")
+            if kind is None:
+                raise InvalidArgument("an AttachRequest names its kind: shared_memory or data_socket")
+            attachments = self.shard.attachments
+            if kind == "data_socket":
+                port = self.endpoints.data_port
+                if not port:
+                    raise DataSocketUnavailable(
+                        f"shard {self.shard.index} serves no data socket (--no-data-socket): use the streams"
+                    )
+                attachments.attach_socket(request.worker_id, request.nonce, request.elements, request.model_digest)
+                return ps_pb2.AttachResponse(data_port=port)
+            name = request.shared_memory.name
+            attachments.attach_segment(request.worker_id, name, request.nonce, request.elements, request.model_digest)
+            return ps_pb2.AttachResponse(doorbell=self.endpoints.doorbell)
+
+    def Exchange(self, request: ps_pb2.ExchangeRequest, context: grpc.ServicerContext) -> ps_pb2.ExchangeResponse:
+        with rpc_errors(context, "Exchange", self.handler.rejected):
+            model = self.handler.model(request.model_digest)
+            if request.inline:
+                source, sink = self._inline_route(request)
+            else:
+                source, sink = segment_route(self.shard.attachments.segment(request.worker_id, model), request, model)
+            return self.handler.exchange(Want.of(request), model, source, sink, self._timeout(context))
+
+    def _inline_route(self, request: ps_pb2.ExchangeRequest) -> tuple[GradientSource | None, WeightsSink | None]:
+        """The source and sink of an Exchange with the tensors in its messages (a small model, a worker with no
+        segment)."""
+        size, limit = request.ByteSize(), self.shard.config.max_message_bytes
+        if size > limit:
+            raise TooLarge(
+                f"an inline Exchange of {size} bytes is over the limit of {limit} (max_message_bytes); use the Push "
+                "and Pull streams"
+            )
+        dtype = wire_dtype(request.dtype)
+        if not request.push and request.chunks:
+            raise MalformedStream("an Exchange without push carries no gradient chunks")
+        return (
+            ChunksGradient(request.chunks, dtype, size) if request.push else None,
+            ChunksWeights(dtype) if request.pull else None,
+        )
+
+
+def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> None:
+    """Register the servicer for every RPC of the proto. Every request arrives as raw wire bytes, decoded and
+    bound-checked by paramserver.wire.bounds (unary requests: see ParameterServerServicer.decoding; client streams: see
+    ClientStream), so that no malformed request gets gRPC's own INTERNAL; server streams yield bytes."""
+    service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+    }
+    handlers = {}
+    for method in service.methods:
+        request = getattr(ps_pb2, method.input_type.name)
+        response = getattr(ps_pb2, method.output_type.name)
+        make = kinds[(method.client_streaming, method.server_streaming)]
+        behaviour = getattr(servicer, method.name)
+        handlers[method.name] = make(
+            behaviour if method.client_streaming else servicer.decoding(method.name, request, behaviour),
+            request_deserializer=None,
+            response_serializer=None if method.server_streaming else response.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -1,0 +1,104 @@
+"""What each worker attached to a shard for its Exchanges: a same-host worker's shared-memory segment, or another
+host's data-socket ticket, by worker id. A doorbell or data-socket connection proves itself against this table."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from paramserver.errors import InvalidArgument, NotAttached, SharedMemoryUnavailable
+from paramserver.transport import shm
+
+if TYPE_CHECKING:
+    from paramserver.shard.model import ShardModel
+    from paramserver.shard.state import Shard
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A worker's data-socket attachment: the nonce its connection must present (paramserver.transport)."""
+
+    nonce: bytes
+    elements: int
+    name: str = ""  # no segment
+
+
+Attachment = shm.Segment | Ticket
+
+
+class Attachments:
+    """The shard's attachments, under the shard's lock.
+
+    An entry is replaced by the worker's next attachment and dropped (not closed) when the worker goes: an Exchange
+    in flight keeps a segment's mapping alive until it ends.
+    """
+
+    def __init__(self, shard: Shard, lock: threading.Condition) -> None:
+        self._shard = shard
+        self._lock = lock
+        self._by_worker: dict[str, Attachment] = {}
+
+    def attach_segment(self, worker_id: str, name: str, nonce: bytes, elements: int, digest: str) -> None:
+        """Map a live worker's shared-memory segment for its Exchanges (replacing any earlier attachment)."""
+        shard = self._shard
+        if not shard.config.shared_memory:
+            raise SharedMemoryUnavailable(f"shard {shard.index} runs with shared memory disabled (--no-shared-memory)")
+        self._check(worker_id, elements, digest)
+        self._put(worker_id, shm.Segment.open(name, nonce, elements))
+        log.debug("shard %d: worker %s attached shared-memory segment %s", shard.index, worker_id, name)
+
+    def attach_socket(self, worker_id: str, nonce: bytes, elements: int, digest: str) -> None:
+        """Take a live worker's data-socket ticket (replacing any earlier attachment)."""
+        self._check(worker_id, elements, digest)
+        if len(nonce) != shm.NONCE_BYTES:
+            raise InvalidArgument(f"a data-socket ticket is {shm.NONCE_BYTES} random bytes, not {len(nonce)}")
+        self._put(worker_id, Ticket(bytes(nonce), elements))
+
+    def _check(self, worker_id: str, elements: int, digest: str) -> None:
+        model = self._shard.require_model(digest)
+        if elements != model.numel:
+            raise InvalidArgument(f"an attachment for {elements} elements to a shard of {model.numel}")
+        self._shard.check_worker(worker_id)
+
+    def _put(self, worker_id: str, attachment: Attachment) -> None:
+        with self._lock:
+            self._shard.membership.get(worker_id)  # it may have left meanwhile
+            self._by_worker[worker_id] = attachment
+
+    def verify(self, worker_id: str, name: str, nonce: bytes) -> None:
+        """Raise NotAttached unless the live worker's attachment is this segment or ticket (a connection's proof
+        on the doorbell or data socket)."""
+        with self._lock:
+            self._shard.membership.get(worker_id)
+            attached = self._by_worker.get(worker_id)
+        if attached is None or attached.name != name or not hmac.compare_digest(attached.nonce, nonce):
+            raise NotAttached(f"worker {worker_id} has no such attachment on shard {self._shard.index}")
+
+    def get(self, worker_id: str, model: ShardModel) -> Attachment:
+        """The live worker's segment or ticket for `model`; NotAttached if it has none."""
+        with self._lock:
+            self._shard.membership.get(worker_id)
+            attached = self._by_worker.get(worker_id)
+        if attached is None or attached.elements != model.numel:
+            raise NotAttached(f"worker {worker_id} has nothing attached for this model on shard {self._shard.index}")
+        return attached
+
+    def segment(self, worker_id: str, model: ShardModel) -> shm.Segment:
+        """The live worker's attached segment for `model`; NotAttached if it has none."""
+        attached = self.get(worker_id, model)
+        if not isinstance(attached, shm.Segment):
+            raise NotAttached(f"worker {worker_id} has no shared-memory segment attached on shard {self._shard.index}")
+        return attached
+
+    def drop(self, worker_id: str) -> None:
+        """Forget a worker's attachment (it left or was evicted); call under the lock."""
+        self._by_worker.pop(worker_id, None)
+
+    def clear(self) -> None:
+        """Forget every attachment (the shard is closing); call under the lock."""
+        self._by_worker.clear()

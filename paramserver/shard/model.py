@@ -1,0 +1,89 @@
+"""The part of one placed model that a shard holds: its pieces back to back in one flat float32 buffer, and the
+optimizer over that buffer. Built from a checked Init header or from a checkpoint's placement."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from paramserver.config import ServerConfig
+from paramserver.errors import InvalidArgument, ModelMismatch, TooLarge
+from paramserver.placement import SLICE_ELEMENTS, Piece, Placement, TensorSpec, place
+from paramserver.shard.optimizers import make_optimizer
+
+
+def piece_label(piece: Piece, specs: dict[str, TensorSpec]) -> str:
+    """Name a piece for error messages: the tensor, and the range when it is a slice."""
+    if piece.start == 0 and piece.length == specs[piece.name].numel:
+        return piece.name
+    return f"{piece.name}[{piece.start}:{piece.start + piece.length}]"
+
+
+@dataclass
+class ShardModel:
+    """The part of one model that a shard holds."""
+
+    placement: Placement
+    pieces: tuple[Piece, ...]
+    offsets: tuple[int, ...]
+    labels: tuple[str, ...]
+    params: torch.Tensor  # flat float32, the pieces back to back
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def digest(self) -> str:
+        return self.placement.digest
+
+    @property
+    def numel(self) -> int:
+        return int(self.params.numel())
+
+    def views(self, flat: np.ndarray) -> list[np.ndarray]:
+        """Split a flat buffer of this shard's size into one view per piece."""
+        return [flat[o : o + p.length] for o, p in zip(self.offsets, self.pieces, strict=True)]
+
+
+def place_init(specs: Sequence[TensorSpec], num_shards: int, digest: str, job_shards: int) -> Placement:
+    """Place the model an Init header describes, refusing a header that does not add up: another shard count
+    than the job's, no tensors, tensors that cannot be placed, or a digest other than the one they give."""
+    if num_shards != job_shards:
+        raise ModelMismatch(f"the worker placed the model on {num_shards} shards, but the job has {job_shards}")
+    if not specs:
+        raise InvalidArgument("the model has no tensors")
+    try:
+        placement = place(specs, num_shards)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    if placement.digest != digest:
+        raise ModelMismatch(
+            f"the Init header's model digest {digest[:12] or '(none)'} is not {placement.digest[:12]}, the digest of "
+            f"its own {len(specs)} tensors on {num_shards} shards (slices of {SLICE_ELEMENTS} elements): the worker "
+            "computed it over other tensor names, shapes, order or shard count, or not as "
+            "protos/paramserver/v1/SPEC.md (section 2) defines it"
+        )
+    return placement
+
+
+def build_model(placement: Placement, index: int, config: ServerConfig) -> ShardModel:
+    """Allocate shard `index`'s part of a placed model (zeros), with a fresh optimizer."""
+    pieces = placement.shards[index]
+    numel = placement.shard_elements(index)
+    if numel * 4 > config.max_model_bytes:
+        raise TooLarge(
+            f"this shard's part of the model is {numel * 4} bytes, over the limit of "
+            f"{config.max_model_bytes} (max_model_bytes); use more shards"
+        )
+    offsets = tuple(int(o) for o in np.cumsum([0] + [p.length for p in pieces[:-1]])) if pieces else ()
+    by_name = {s.name: s for s in placement.specs}
+    params = torch.zeros(numel, dtype=torch.float32)
+    return ShardModel(
+        placement,
+        pieces,
+        offsets,
+        tuple(piece_label(p, by_name) for p in pieces),
+        params,
+        make_optimizer(config, params),
+    )

@@ -1,0 +1,425 @@
+"""A shard's state: its pieces of the model as one flat float32 buffer, the optimizer, the version, membership.
+
+One lock (a Condition) guards all of it; pulls wait on it for the version they ask for. Gradients arrive in
+scratch buffers from a bounded pool (paramserver.shard.pool) and are fully validated before the lock is taken, so a
+rejected push never touches the weights, the optimizer state or the version. The model itself, the optimizers,
+the attachments and the checkpoints are modules of their own beside this one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from paramserver.config import ServerConfig
+from paramserver.errors import (
+    InvalidArgument,
+    ModelMismatch,
+    NotInitialized,
+    PullTimeout,
+    ShuttingDown,
+    StaleRound,
+    WrongJob,
+)
+from paramserver.placement import TensorSpec
+from paramserver.server.metrics import ShardMetrics
+from paramserver.shard import persistence, status
+from paramserver.shard.attachments import Attachment, Attachments, Ticket
+from paramserver.shard.checkpoint import Snapshot
+from paramserver.shard.consistency import make_policy
+from paramserver.shard.initialise import InitSlot
+from paramserver.shard.maintenance import Maintenance
+from paramserver.shard.membership import AppliedLog, Membership
+from paramserver.shard.model import ShardModel, piece_label
+from paramserver.shard.optimizers import make_optimizer, warm_up_optimizer
+from paramserver.shard.pool import BufferPool
+from paramserver.shard.status import ShardStats, ShardStatus
+from paramserver.transport import shm
+
+# Where these lived before the shard was split by concern; imported from here by tests and tools.
+__all__ = [
+    "BufferPool",
+    "Shard",
+    "ShardModel",
+    "ShardStats",
+    "ShardStatus",
+    "Ticket",
+    "make_optimizer",
+    "piece_label",
+    "warm_up_optimizer",
+]
+
+log = logging.getLogger(__name__)
+
+
+class Shard:
+    """One shard of the parameter server: everything the servicer acts on."""
+
+    def __init__(self, config: ServerConfig, index: int = 0, addresses: Sequence[str] = ()) -> None:
+        self.config = config
+        self.index = index
+        self.addresses: tuple[str, ...] = tuple(addresses)
+        self.version = 0
+        self.membership = Membership(config.workers)
+        self.applied = AppliedLog()
+        self.policy = make_policy(config)
+        self.stats = ShardStats()
+        self.model: ShardModel | None = None
+        self._pool: BufferPool | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self.checkpoints = persistence.Checkpoints(config)
+        self.maintenance = Maintenance(self, self._cond)
+        self.finished_workers = 0
+        self.done = threading.Event()  # set once every worker of the job finished and none is live
+        self.metrics = ShardMetrics(index)
+        self.attachments = Attachments(self, self._cond)  # each worker's segment or data-socket ticket
+        # A new value each time a shard process starts: versions a worker waits for refer to one incarnation.
+        self.incarnation = uuid.uuid4().hex
+        self.init_slot = InitSlot(self, self._cond)
+
+    # -- membership --------------------------------------------------------------------------------------------
+
+    def join(self, worker_id: str, job_name: str) -> tuple[int, int]:
+        """Add a worker to the job; return (rank, version)."""
+        if job_name and job_name != self.config.job_name:
+            raise WrongJob(
+                f"worker {worker_id!r} belongs to job {job_name!r}, this shard serves job {self.config.job_name!r}"
+            )
+        with self._cond:
+            new = worker_id not in self.membership.live
+            worker = self.membership.join(worker_id)
+            if new:
+                live = len(self.membership.live)
+                log.info("shard %d: worker %s joined as rank %d (%d live)", self.index, worker_id, worker.rank, live)
+            self.policy.membership_changed(self)
+            self.metrics.live_workers.set(len(self.membership.live))
+            return worker.rank, self.version
+
+    def leave(self, worker_id: str, finished: bool = False) -> None:
+        """Remove a worker; a sync round stops waiting for it. `finished`: it completed its training."""
+        with self._cond:
+            self.attachments.drop(worker_id)
+            if self.membership.leave(worker_id):
+                self.finished_workers += finished
+                log.info(
+                    "shard %d: worker %s left%s (%d live)",
+                    self.index,
+                    worker_id,
+                    " after finishing" if finished else "",
+                    len(self.membership.live),
+                )
+                if finished:
+                    # Saved at once: a shard restarted after this must still count it, or the job never ends.
+                    self.checkpoint_locked()
+                self._membership_changed()
+
+    def _membership_changed(self) -> None:
+        self.policy.membership_changed(self)
+        self.metrics.live_workers.set(len(self.membership.live))
+        self._cond.notify_all()  # a pull held back (sync round, ssp) for a worker that is gone may go on
+        if not self.membership.live and self.finished_workers >= self.config.workers and not self.done.is_set():
+            log.info("shard %d: the job is done: %d workers finished, none live", self.index, self.finished_workers)
+            self.done.set()
+
+    def touch(self, worker_id: str) -> None:
+        """Renew a worker's lease."""
+        if worker_id:
+            with self._cond:
+                self.membership.touch(worker_id)
+
+    def heartbeat(self, worker_id: str) -> int:
+        """Renew a worker's lease; return the version (UnknownWorker if it was evicted)."""
+        with self._cond:
+            self.membership.get(worker_id)
+            return self.version
+
+    def check_worker(self, worker_id: str) -> None:
+        """Raise UnknownWorker unless the worker is live (renewing its lease)."""
+        with self._cond:
+            self.membership.get(worker_id)
+
+    # -- init and restore --------------------------------------------------------------------------------------
+
+    def prepare_init(self, specs: Sequence[TensorSpec], num_shards: int, digest: str) -> ShardModel:
+        """Check an Init header and return an unattached model to receive the initial values into."""
+        return self.init_slot.prepare(specs, num_shards, digest)
+
+    def initialising(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the shard's one Init slot (InitInProgress while another worker's Init runs)."""
+        return self.init_slot.hold()
+
+    def commit_init(self, model: ShardModel) -> int:
+        """Adopt a fully received model, unless another Init won the race; return the version."""
+        return self.init_slot.commit(model)
+
+    def restore(self) -> bool:
+        """Adopt the newest valid checkpoint in checkpoint_dir, if any; return whether one was restored.
+
+        Call once the peer list is known (it must match the checkpoint's shard count) and before serving.
+        """
+        found = persistence.restored(self.config, self.index, self.addresses)
+        if found is None:
+            return False
+        model, snap = found
+        with self._cond:
+            self.adopt_locked(model, snap.version)
+            self.membership.ever_full = snap.ever_full
+            self.applied = AppliedLog.restore(snap.applied)
+            self.finished_workers = snap.finished_workers
+        log.info("shard %d: restored version %d of model %s", self.index, snap.version, snap.digest[:12])
+        return True
+
+    def adopt_locked(self, model: ShardModel, version: int) -> None:
+        """Hold `model` at `version` from now on, with a fresh round and scratch pool (call under the lock)."""
+        self.model = model
+        self.version = version
+        self.policy.reset(model.numel)
+        self._pool = BufferPool(self.config.max_concurrent_pushes, model.numel)
+        self._cond.notify_all()
+
+    # -- push --------------------------------------------------------------------------------------------------
+
+    def require_model(self, digest: str | None = None) -> ShardModel:
+        """Return the held model, checking the caller's digest when given."""
+        model = self.model
+        if model is None:
+            raise NotInitialized(f"shard {self.index} holds no model yet: register (init) the model first")
+        if digest is not None and digest != model.digest:
+            raise ModelMismatch(
+                f"the request is for model {digest[:12] or '(none)'}, but shard {self.index} holds {model.digest[:12]}"
+            )
+        return model
+
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[np.ndarray]:
+        """Lend a gradient-sized buffer to receive a push into (waits while the pool is empty)."""
+        pool = self._pool
+        if pool is None:
+            raise NotInitialized(f"shard {self.index} holds no model yet: register (init) the model first")
+        with pool.take() as buf:
+            yield buf
+
+    def push(
+        self, worker_id: str, step: int, base_version: int, grad: np.ndarray, digest: str, lent: bool = False
+    ) -> tuple[int, bool]:
+        """Hand a validated gradient to the consistency policy; return (version, applied). `lent`: the gradient is
+        in a buffer lent by `scratch()`, which the policy may keep (see `keep_scratch`)."""
+        with self._cond:
+            model = self.require_model(digest)
+            if grad.shape != (model.numel,):
+                raise InvalidArgument(f"gradient of {grad.shape[0]} elements for a shard of {model.numel}")
+            self.membership.get(worker_id)
+            if step and self.applied.seen(worker_id, step):
+                self.stats.duplicate_pushes += 1
+                self.metrics.pushed("duplicate")
+                return self.version, False
+            try:
+                self.policy.submit(self, worker_id, base_version, torch.from_numpy(grad), lent=lent)
+            except StaleRound:
+                self.stats.late_pushes += 1
+                raise
+            if step:
+                self.applied.record(worker_id, step)
+            self.metrics.pushed("applied")
+            return self.version, True
+
+    def keep_scratch(self, grad: torch.Tensor) -> bool:
+        """Let the policy keep the scratch buffer a push was received into (as a round's sum: no copy) until it
+        calls `release_scratch`; False where that would leave no buffer for the round's other pushes (a pool of
+        one), and the policy must copy instead."""
+        assert self._pool is not None
+        if self._pool.size < 2:
+            return False
+        self._pool.keep(grad.numpy())
+        return True
+
+    def release_scratch(self, grad: torch.Tensor) -> None:
+        """Give a buffer kept through `keep_scratch` back to the scratch pool."""
+        assert self._pool is not None
+        self._pool.give_back(grad.numpy())
+
+    def apply(
+        self,
+        grad: torch.Tensor,
+        *,
+        straggler: str | None = None,
+        waited: float | None = None,
+        staleness: int | None = None,
+    ) -> None:
+        """Run one optimizer step with a flat gradient; called by the policy under the lock."""
+        model = self.model
+        assert model is not None
+        started = time.perf_counter()
+        model.params.grad = grad
+        model.optimizer.step()
+        model.params.grad = None
+        self.version += 1
+        self._cond.notify_all()
+        m = self.metrics
+        m.apply_seconds.observe(time.perf_counter() - started)
+        m.version.set(self.version)
+        if waited is not None:
+            m.round_wait.observe(waited)
+        if staleness is not None:
+            m.staleness.observe(staleness)
+        if straggler is not None:
+            m.straggler(self.membership.rank_of(straggler))
+        if self.checkpoints.due_at(self.version):
+            self.checkpoint_locked()
+
+    # -- pull --------------------------------------------------------------------------------------------------
+
+    def wait_for(self, min_version: int, timeout: float, worker_id: str = "") -> tuple[int, ShardModel]:
+        """Wait until the shard reaches `min_version`; return (version, model)."""
+        with self._cond:
+            return self._wait_locked(min_version, timeout, worker_id)
+
+    @contextlib.contextmanager
+    def weights(
+        self, min_version: int, timeout: float, worker_id: str = ""
+    ) -> Iterator[tuple[int, ShardModel, np.ndarray]]:
+        """Wait like `wait_for`, then lend (version, model, the flat weights of that one version) to send.
+
+        Where the policy says no update can apply before this worker pushes again (a live worker in sync mode
+        without backup workers), the weights are lent in place. Any other pull (async, ssp, backup workers, a
+        reader that did not join) gets a copy taken under the lock into a scratch buffer, so an update applied
+        while it is sent cannot tear it.
+        """
+        version, model = self.wait_for(min_version, timeout, worker_id)  # before taking a buffer pushes need
+        with self._cond:
+            in_place = self.policy.stable_for(self, worker_id)
+        if in_place:
+            yield version, model, model.params.numpy()
+            return
+        with self.scratch() as buf:
+            with self._cond:
+                model = self.require_model()
+                version = self.version  # at least min_version: versions only grow
+                np.copyto(buf, model.params.numpy())
+            yield version, model, buf
+
+    def pull_into(self, dst: np.ndarray, min_version: int, timeout: float, worker_id: str = "") -> int:
+        """Wait like `wait_for`, then copy the weights into `dst` under the lock (one consistent version)."""
+        with self._cond:
+            version, model = self._wait_locked(min_version, timeout, worker_id)
+            np.copyto(dst, model.params.numpy())
+            return version
+
+    def _wait_locked(self, min_version: int, timeout: float, worker_id: str) -> tuple[int, ShardModel]:
+        if worker_id:
+            self.membership.get(worker_id)
+        self.require_model()
+
+        # A worker's pull also waits while the policy holds it back (ssp: too far ahead of the slowest worker).
+        def ready() -> bool:
+            return self.version >= min_version and (not worker_id or self.policy.may_pull(self, worker_id))
+
+        reached = self._cond.wait_for(lambda: self._closed or ready(), timeout=timeout)
+        if self._closed:
+            raise ShuttingDown(f"shard {self.index} is shutting down")
+        if not reached:
+            if self.version >= min_version:
+                raise PullTimeout(
+                    f"shard {self.index} held worker {worker_id}'s pull for {timeout:.1f} s: "
+                    f"{self.policy.waiting_for(self)}"
+                )
+            raise PullTimeout(
+                f"shard {self.index} is at version {self.version}, not {min_version}, after "
+                f"{timeout:.1f} s: {self.policy.waiting_for(self)}"
+            )
+        return self.version, self.require_model()
+
+    # -- attachments (paramserver.shard.attachments) -----------------------------------------------------------
+
+    def attach(self, worker_id: str, name: str, nonce: bytes, elements: int, digest: str) -> None:
+        """Map a live worker's shared-memory segment for its Exchanges (replacing any earlier attachment)."""
+        self.attachments.attach_segment(worker_id, name, nonce, elements, digest)
+
+    def attach_socket(self, worker_id: str, nonce: bytes, elements: int, digest: str) -> None:
+        """Take a live worker's data-socket ticket (replacing any earlier attachment)."""
+        self.attachments.attach_socket(worker_id, nonce, elements, digest)
+
+    def attachment(self, worker_id: str, model: ShardModel) -> Attachment:
+        """The live worker's segment or ticket for `model`; NotAttached if it has none."""
+        return self.attachments.get(worker_id, model)
+
+    def segment(self, worker_id: str, model: ShardModel) -> shm.Segment:
+        """The live worker's attached segment for `model`; NotAttached if it has none."""
+        return self.attachments.segment(worker_id, model)
+
+    # -- lifecycle: leases, checkpoints, shutdown ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the maintenance thread: evict silent workers, write time-based checkpoints."""
+        self.maintenance.start()
+
+    def tick(self, now: float | None = None) -> None:
+        """Evict workers whose lease ran out, log a long wait, take a checkpoint when one is due."""
+        self.maintenance.tick(now)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the shard is going away (see `stop_waiting`)."""
+        return self._closed
+
+    def evict_expired(self, now: float | None = None) -> None:
+        """Evict the workers whose lease ran out by `now` (call under the lock)."""
+        gone = self.membership.evict_expired(self.config.lease_timeout, now)
+        for worker_id, silent in gone:
+            self.attachments.drop(worker_id)
+            self.stats.evictions += 1
+            self.metrics.evictions.inc()
+            live = len(self.membership.live)
+            log.warning(
+                "shard %d: evicted worker %s after %.1f s of silence (%d live)", self.index, worker_id, silent, live
+            )
+        if gone:
+            self._membership_changed()
+
+    def checkpoint_locked(self) -> None:
+        """Hand a snapshot to the checkpoint writer now, if there is one (call under the lock)."""
+        self.stats.checkpoints += self.checkpoints.take(self)
+
+    def snapshot(self) -> Snapshot:
+        """Copy everything needed to resume (call under the lock, or on a quiet shard)."""
+        return persistence.snapshot(self)
+
+    def drain(self, grace: float) -> None:
+        """Give a sync round that has some of its gradients up to `grace` seconds to close before stopping."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self.policy.in_progress(), timeout=grace)
+
+    def stop_waiting(self) -> None:
+        """Answer every waiting and every new pull with UNAVAILABLE: the shard is going away."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Write a final checkpoint (once no RPC can change the state any more) and stop the background threads."""
+        self.stop_waiting()
+        with self._cond:
+            self.attachments.clear()
+            self.stats.checkpoints += self.checkpoints.take_final(self)
+        self.checkpoints.close()
+        self.maintenance.join(timeout=5)
+
+    # -- introspection (paramserver.shard.status) ---------------------------------------------------------------
+
+    def describe(self) -> ShardStatus:
+        """A consistent snapshot of what the shard holds (for Topology and tests)."""
+        with self._cond:
+            return status.describe(self)
+
+    def state_bytes(self) -> bytes:
+        """Weights, optimizer state and version as bytes, to show a rejected request changed nothing."""
+        with self._cond:
+            return status.state_bytes(self)

@@ -1,0 +1,62 @@
+"""What a shard holds and what it refused, as plain values (for Topology, logs, metrics and tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from paramserver.placement import TensorSpec
+
+if TYPE_CHECKING:
+    from paramserver.shard.state import Shard
+
+
+@dataclass
+class ShardStats:
+    """Counters of what a shard refused or dropped (for logs, metrics and tests)."""
+
+    late_pushes: int = 0  # pushes for a round that had closed (stragglers with backup workers, or slow workers)
+    duplicate_pushes: int = 0  # retried (worker, step) pairs taken once, not applied again
+    evictions: int = 0  # workers whose lease ran out
+    checkpoints: int = 0  # snapshots handed to the writer
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    """What a shard holds, at one instant."""
+
+    initialized: bool
+    digest: str
+    specs: tuple[TensorSpec, ...]
+    version: int
+    live_workers: int
+    stats: ShardStats
+
+
+def describe(shard: Shard) -> ShardStatus:
+    """What `shard` holds now (call under its lock, for one consistent answer)."""
+    model = shard.model
+    return ShardStatus(
+        initialized=model is not None,
+        digest=model.digest if model else "",
+        specs=model.placement.specs if model else (),
+        version=shard.version,
+        live_workers=len(shard.membership.live),
+        stats=dataclasses.replace(shard.stats),
+    )
+
+
+def state_bytes(shard: Shard) -> bytes:
+    """Weights, optimizer state and version as bytes (call under the shard's lock): equal before and after a
+    request shows that it changed nothing."""
+    parts = [str(shard.version).encode()]
+    if shard.model is not None:
+        parts.append(shard.model.params.numpy().tobytes())
+        for state in shard.model.optimizer.state.values():
+            for key in sorted(state):
+                value = state[key]
+                parts.append(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
+    return b"|".join(parts)

@@ -1,0 +1,192 @@
+"""Regenerate vectors.json: placement and digest test vectors for SPEC.md, computed by paramserver.placement.
+
+    .venv/bin/python protos/paramserver/v1/make_vectors.py          # rewrite vectors.json beside this file
+    .venv/bin/python protos/paramserver/v1/make_vectors.py --check  # exit 1 if vectors.json is not current
+
+Each case gives a model (`specs`), `num_shards` and `slice_elements`, and what every implementation must compute
+from them: each shard's ordered pieces (`shards`), each shard's element count (`shard_elements`) and the model
+digest (`digest`). tests/test_contract.py checks that the file is current; clients/js/check_vectors.js checks the
+JavaScript client against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from paramserver.placement import SLICE_ELEMENTS, TensorSpec, place
+
+HERE = Path(__file__).resolve().parent
+VECTORS = HERE / "vectors.json"
+
+# The digits CNN as worker.models.build_model("cnn", in_shape=(1, 8, 8), num_classes=10) names its parameters
+# (written out here so that generating the vectors needs no torch).
+DIGITS_CNN: list[tuple[str, tuple[int, ...]]] = [
+    ("conv1.weight", (32, 1, 3, 3)),
+    ("conv1.bias", (32,)),
+    ("conv2.weight", (64, 32, 3, 3)),
+    ("conv2.bias", (64,)),
+    ("fc1.weight", (128, 1024)),
+    ("fc1.bias", (128,)),
+    ("fc2.weight", (10, 128)),
+    ("fc2.bias", (10,)),
+]
+
+# The model clients/js/train.js trains (with --big: the last tensor too, sliced over the shards by the servers'
+# default slice_elements).
+JS_MODEL: list[tuple[str, tuple[int, ...]]] = [("w", (8, 1)), ("b", (1,))]
+JS_BIG: tuple[str, tuple[int, ...]] = ('emb.é"\\😀', (1_100_000,))
+
+# (case, specs, num_shards, slice_elements)
+Case = tuple[str, list[tuple[str, tuple[int, ...]]], int, int]
+
+CASES: list[Case] = [
+    ("one shard: nothing is sliced, whatever its size", [("a", (3, 4)), ("b", (4,)), ("c", ())], 1, 10),
+    (
+        "ties: equal sizes go in model order, each to the least-loaded shard, lowest index first",
+        [("t0", (2, 3)), ("t1", (6,)), ("t2", (3, 2)), ("t3", (1, 6)), ("t4", (6, 1))],
+        3,
+        10,
+    ),
+    ("more shards than tensors: some shards hold nothing", [("x", (5,)), ("y", (2, 2))], 5, 10),
+    (
+        "slice boundary: exactly slice_elements stays whole, one more is sliced",
+        [("exact", (10,)), ("plus1", (11,)), ("small", (1,))],
+        3,
+        10,
+    ),
+    (
+        "uneven slicing: ceil(11 / 8) = 2 per shard, the last sliced shards get nothing",
+        [("s", (11,)), ("w", (1,))],
+        8,
+        10,
+    ),
+    ("uneven slicing: 100 over 16 shards, step 7, the last piece 2, shard 15 nothing", [("s", (10, 10))], 16, 10),
+    (
+        "sliced pieces count towards a shard's load before whole tensors are placed",
+        [("big", (25,)), ("w1", (5,)), ("w2", (5,)), ("w3", (3,)), ("w4", (3,))],
+        3,
+        10,
+    ),
+    (
+        "model order within a shard: a tensor placed later still comes first if it is earlier in the model",
+        [("first", (1,)), ("huge", (30,)), ("mid", (8,)), ("last", (9,))],
+        2,
+        10,
+    ),
+    ("scalars have one element", [("s0", ()), ("s1", ()), ("v", (1,)), ("s2", ()), ("m", (2, 1))], 2, 10),
+    (
+        "zero-element tensors are placed whole as zero-length pieces (they take no chunk)",
+        [("empty", (0,)), ("a", (2,)), ("void", (3, 0, 5)), ("b", (1,)), ("wide", (0, 4294967296))],
+        2,
+        10,
+    ),
+    (
+        "names: non-ASCII, astral, quote, backslash and control characters in the canonical JSON",
+        [
+            ("é", (2,)),
+            ("€uro", (3,)),
+            ("😀", (1,)),
+            ('say "hi"', (4,)),
+            ("back\\slash/", (2,)),
+            ("tab\tnew\nline\rcr", (1,)),
+            ("\b\f\x01\x1f\x7f", (1,)),
+            ("\u2028\ufeff\uffff\U0010ffff", (1,)),
+            ("日本語.weight", (5,)),
+        ],
+        2,
+        10,
+    ),
+    ("digits CNN on 2 shards, default slice: nothing sliced", DIGITS_CNN, 2, SLICE_ELEMENTS),
+    ("digits CNN on 3 shards with slice_elements 10000: the two large weights sliced", DIGITS_CNN, 3, 10000),
+    (
+        "default slice boundary: 1048576 stays whole, 1048577 is sliced",
+        [("exact", (1024, 1024)), ("plus1", (1048577,)), ("bias", (7,))],
+        2,
+        SLICE_ELEMENTS,
+    ),
+    ("the model of clients/js/train.js", JS_MODEL, 2, SLICE_ELEMENTS),
+    ("the model of clients/js/train.js --big", [*JS_MODEL, JS_BIG], 2, SLICE_ELEMENTS),
+]
+
+
+def compute(name: str, model: list[tuple[str, tuple[int, ...]]], num_shards: int, slice_elements: int) -> dict:
+    """One vector: the inputs and what paramserver.placement computes from them."""
+    specs = [TensorSpec(n, tuple(shape)) for n, shape in model]
+    placement = place(specs, num_shards, slice_elements)
+    return {
+        "case": name,
+        "specs": [{"name": s.name, "shape": list(s.shape)} for s in specs],
+        "num_shards": num_shards,
+        "slice_elements": slice_elements,
+        "shards": [
+            [{"name": p.name, "start": p.start, "length": p.length} for p in pieces] for pieces in placement.shards
+        ],
+        "shard_elements": [placement.shard_elements(k) for k in range(num_shards)],
+        "digest": placement.digest,
+    }
+
+
+def vectors() -> list[dict[str, Any]]:
+    return [compute(*case) for case in CASES]
+
+
+def _escape(ch: str) -> str:
+    """A character as JSON \\uXXXX escapes (a surrogate pair above U+FFFF)."""
+    code = ord(ch)
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    code -= 0x10000
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
+def _compact(value: Any) -> str:
+    """One-line JSON: printable characters as they are, invisible ones (DEL, U+2028, U+FEFF...) escaped."""
+    text = json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
+    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
+
+
+def render() -> str:
+    """The exact text of vectors.json: UTF-8, JSON escapes only where JSON requires them, one line per tensor
+    spec and per shard."""
+    cases = []
+    for v in vectors():
+        specs = ",\n".join(f"   {_compact(s)}" for s in v["specs"])
+        shards = ",\n".join(f"   {_compact(pieces)}" for pieces in v["shards"])
+        cases.append(
+            " {\n"
+            f'  "case": {_compact(v["case"])},\n'
+            f'  "specs": [\n{specs}\n  ],\n'
+            f'  "num_shards": {v["num_shards"]},\n'
+            f'  "slice_elements": {v["slice_elements"]},\n'
+            f'  "shards": [\n{shards}\n  ],\n'
+            f'  "shard_elements": {_compact(v["shard_elements"])},\n'
+            f'  "digest": {_compact(v["digest"])}\n'
+            " }"
+        )
+    text = "[\n" + ",\n".join(cases) + "\n]\n"
+    assert json.loads(text) == vectors()
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if vectors.json differs from what it would be")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = VECTORS.read_text(encoding="utf-8") if VECTORS.exists() else ""
+        if current != text:
+            print(f"{VECTORS} is not current: run {Path(__file__).name}", file=sys.stderr)
+            return 1
+        return 0
+    VECTORS.write_text(text, encoding="utf-8")
+    print(f"wrote {len(CASES)} cases to {VECTORS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,458 @@
+"""PSClient: a worker's view of the parameter server: topology, join, register, pull and push to every shard.
+
+Each call fans out to every shard's `ShardLink` at once; a link picks its transport (shared memory on this host,
+the data socket on another, gRPC as the last resort: see worker.client.transports). Weights are written straight
+into the model's own CPU tensors, and gradients are read straight from them; CUDA tensors go through a host
+mirror.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import torch
+
+from paramserver.errors import JobFull, PSError, PullTimeout, UnknownWorker, Unreachable, from_rpc_error
+from paramserver.modes import mode_name
+from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
+from paramserver.security import channel_credentials, client_ssl_context, open_channel
+from paramserver.transport import shm
+from paramserver.v1 import ps_pb2, ps_pb2_grpc
+from paramserver.wire.chunks import CHUNK_BYTES, itemsize, wire_dtype
+from worker.client.binding import Binding, Tensors, tensors_of
+from worker.client.link import CONNECT_S, Session, ShardLink
+from worker.client.transports import INLINE_BYTES, NO_TURNS, Turns
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Unary calls retry UNAVAILABLE (a shard restarting) with backoff, declared once for the channel. Streams are
+# retried by ShardLink.retry instead; a push is safe to resend because the server dedupes (worker, step).
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                # Unary calls only: gRPC's own retry of a server stream (Pull) waiting when its shard dies was
+                # seen to never return, not even at its deadline. Streams are retried by ShardLink.retry.
+                "name": [
+                    {"service": "paramserver.v1.ParameterServer", "method": m}
+                    for m in ("GetTopology", "Join", "Leave", "Heartbeat", "Attach")
+                ],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+
+# The first contact with a shard that does not answer (not started yet, or a wrong address): tried again after
+# this long, then twice as long each time up to the cap, each try logged, until PSClient's connect_timeout.
+CONNECT_RETRY_S = 1.0
+CONNECT_RETRY_MAX_S = 5.0
+# How long a Join waits for a place in a full job: three of the shards' default lease timeouts (10 s), so that the
+# place of a worker that died just before (its lease still running) frees meanwhile.
+JOB_FULL_WAIT_S = 30.0
+
+__all__ = ["INLINE_BYTES", "PSClient", "Tensors", "channel_options"]
+
+
+def channel_options(max_message_bytes: int = 4 * 1024 * 1024 + 4096) -> list[tuple[str, Any]]:
+    """Options of every channel the client opens."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.enable_retries", 1),
+        # Reconnect fast after a short outage, so heartbeats resume well within a lease.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.service_config", _SERVICE_CONFIG),
+    ]
+
+
+def _first_contact(stub: ps_pb2_grpc.ParameterServerStub, address: str, limit: float) -> ps_pb2.Topology:
+    """Ask the shard at `address` for the topology, asking again while nothing answers there (it may still be
+    starting), with a warning per try that says why and when the worker gives up; Unreachable after `limit` s.
+
+    No wait_for_ready: with it a refused connection is silent until the deadline, and then reads as a timeout."""
+    began = time.monotonic()
+    delay, why = CONNECT_RETRY_S, ""
+    while True:
+        left = began + limit - time.monotonic()
+        try:
+            return stub.GetTopology(ps_pb2.GetTopologyRequest(), timeout=max(min(CONNECT_S, left), 0.1))
+        except grpc.RpcError as err:
+            if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise from_rpc_error(err, address) from None
+            # A try cut short by the give-up time says less than the refusal before it.
+            if err.code() == grpc.StatusCode.UNAVAILABLE or not why:
+                why = _why_unreachable(err)
+        left = began + limit - time.monotonic()
+        if left <= 0:
+            raise Unreachable(
+                f"cannot connect to {address} ({why}); gave up after {time.monotonic() - began:.0f} s: is ps-server "
+                "running there, and is the address right?"
+            )
+        wait = min(delay, left)
+        log.warning("cannot connect to %s (%s); trying again in %.1f s, giving up in %.0f s", address, why, wait, left)
+        time.sleep(wait)
+        delay = min(2 * delay, CONNECT_RETRY_MAX_S)
+
+
+def _why_unreachable(err: grpc.RpcError) -> str:
+    """The reason in a failed connection's status, as a person would say it ("connection refused")."""
+    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "no answer in time"
+    detail = (err.details() or "").strip() if hasattr(err, "details") else ""
+    reason = detail.rsplit(": ", 1)[-1].strip(" []()") if detail else ""
+    reason = reason or "unavailable"
+    return reason[:1].lower() + reason[1:]
+
+
+def _begin_and_wait(start: Callable[[ShardLink], Callable[[], T]], link: ShardLink) -> T:
+    return start(link)()
+
+
+class PSClient:
+    """Talk to every shard of a parameter server, knowing any one shard's address.
+
+    `with PSClient("host:50051") as client:` joins the job (a rank for data sharding) and leaves on exit.
+    `register(model)` initialises the servers from the model or adopts what they hold; `pull(model)` copies the
+    current weights into it in place; `push(model)` sends every parameter's `.grad`; `push_pull(model)` does both
+    in one exchange per shard (what a training step needs). Also works on a plain mapping of name -> float32
+    tensor (push then sends the tensors themselves as the gradient).
+
+    Shards on this host exchange tensors through shared memory (`shared_memory=False` turns that off); others
+    through their data socket, raw bytes over TCP (`data_socket=False` turns that off); the rest through gRPC:
+    one unary call per step for a small model, else Push and Pull streams. `dtype` ('float32', 'bf16', 'fp16')
+    is the element type on the network; shared memory always holds float32. `links` has one `ShardLink` per
+    shard: which transport each uses now, and what it has seen.
+
+    `push_in_turn`: push a large model's parts to the data sockets one shard after the other, so that one shard's
+    weights come back while the next one's gradient goes out (True), or to all at once (False); None (the
+    default): in turn for shards reached over a network, where a link is the limit, at once for a shard on a
+    loopback address, where memory copies on several cores are.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        worker_id: str | None = None,
+        job_name: str = "",
+        join: bool = True,
+        dtype: str = "float32",
+        timeout: float = 120.0,
+        connect_timeout: float = 30.0,
+        chunk_bytes: int = CHUNK_BYTES,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+        auth_token: str | None = None,
+        shared_memory: bool = True,
+        data_socket: bool = True,
+        push_in_turn: bool | None = None,
+    ) -> None:
+        self.worker_id = worker_id or uuid.uuid4().hex
+        self.job_name = job_name
+        self.dtype: Any = wire_dtype(dtype)  # a ps_pb2.DType value
+        self.timeout = timeout
+        self.chunk_bytes = chunk_bytes
+        # Offer each shard a shared-memory segment; shards on other hosts refuse it and get the data socket (or,
+        # where they serve none or it cannot be reached, the gRPC streams).
+        self.shared_memory = shared_memory and shm.available()
+        self.data_socket = data_socket
+        self.push_in_turn = push_in_turn
+        self._session = Session(
+            worker_id=self.worker_id,
+            job_name=job_name,
+            timeout=timeout,
+            dtype=self.dtype,
+            chunk_bytes=chunk_bytes,
+            shared_memory=self.shared_memory,
+            data_socket=data_socket,
+            push_in_turn=push_in_turn,
+            tls=client_ssl_context(tls_ca, tls_cert, tls_key),
+            tls_server_name=tls_server_name,
+        )
+        credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+        options = channel_options()
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        self.rank = 0
+        self.world_size = 1
+        self._step = 0
+        self._bindings: dict[int, Binding] = {}
+        self._closing = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self.links: tuple[ShardLink, ...] = ()
+
+        # The channel's own retries would keep each try at a refused address going for seconds, unsaid.
+        no_retries = [(k, v) for k, v in options if k != "grpc.enable_retries"] + [("grpc.enable_retries", 0)]
+        entry = open_channel(address, no_retries, credentials, auth_token)
+        try:
+            topo = _first_contact(ps_pb2_grpc.ParameterServerStub(entry), address, connect_timeout)
+        finally:
+            entry.close()
+        self.topology = topo
+        self.addresses: list[str] = list(topo.shards)
+        self.mode = mode_name(topo.job.mode, "unknown")
+        self._pool = futures.ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps-client")
+        self.links = tuple(
+            ShardLink(k, a, open_channel(a, options, credentials, auth_token), self._session, self._pool)
+            for k, a in enumerate(self.addresses)
+        )
+        if join:
+            try:
+                self.join()
+            except BaseException:
+                self.close()
+                raise
+
+    @property
+    def versions(self) -> list[int]:
+        """What each shard's last pull returned."""
+        return [link.version for link in self.links]
+
+    # -- membership --------------------------------------------------------------------------------------------
+
+    def join(self) -> None:
+        """Join the job on every shard (shard 0 first: its rank is the one that counts)."""
+        first = self._join_first()
+        self.rank, self.world_size = first.rank, first.world_size
+        others = self._each(ShardLink.join, self.links[1:], rejoin=False)
+        leases = [first.lease_timeout_s] + [r.lease_timeout_s for r in others]
+        self._session.joined = True
+        lease = min(x for x in leases if x > 0) if any(x > 0 for x in leases) else 10.0
+        if self._heartbeat is None:
+            # Renew the lease while the worker computes or waits, well within the lease timeout.
+            self._heartbeat = threading.Thread(target=self._beat, args=(lease / 3,), name="ps-heartbeat", daemon=True)
+            self._heartbeat.start()
+
+    def _join_first(self) -> ps_pb2.JoinResponse:
+        """Join shard 0, waiting while the job is full: a place held by a worker that died (or by a Join that
+        never came back) frees once its lease runs out, so a worker restarted at once gets in then."""
+        began = time.monotonic()
+        while True:
+            try:
+                return self.links[0].retry(self.links[0].join, rejoin=False)
+            except JobFull as exc:
+                left = began + JOB_FULL_WAIT_S - time.monotonic()
+                if left <= 0:
+                    raise
+                log.warning("%s; trying again in %.1f s, giving up in %.0f s", exc, min(1.0, left), left)
+                time.sleep(min(1.0, left))
+
+    def _beat(self, interval: float) -> None:
+        failing: set[int] = set()  # shards whose last heartbeat failed: an outage is logged when it starts and ends
+        while not self._closing.wait(interval):
+            for k, link in enumerate(self.links):
+                if not self._session.joined or self._closing.is_set():
+                    break
+                try:
+                    link.heartbeat(interval)
+                except UnknownWorker:
+                    try:
+                        link.rejoin()
+                    except PSError as again:
+                        log.warning("re-joining shard %s failed: %s", link.address, again)
+                    continue
+                except PSError as exc:
+                    if k not in failing:
+                        failing.add(k)
+                        log.warning(
+                            "heartbeat to shard %s failed: %s; the shard evicts this worker if it hears nothing "
+                            "for its lease timeout",
+                            link.address,
+                            exc,
+                        )
+                    else:
+                        log.debug("heartbeat to %s failed again: %s", link.address, exc)
+                    continue
+                if k in failing:
+                    failing.discard(k)
+                    log.info("heartbeat to shard %s answered again", link.address)
+
+    def leave(self, finished: bool = False) -> None:
+        """Leave the job on every shard; a sync round stops waiting for this worker.
+
+        `finished=True` says the worker completed its training: once every worker of the job has, shards run
+        with exit_when_done stop by themselves.
+        """
+        if not self._session.joined:
+            return
+        self._session.joined = False
+        self._each(lambda link: link.leave(finished), rejoin=False)
+
+    # -- the model ---------------------------------------------------------------------------------------------
+
+    def _bind(self, obj: Tensors) -> Binding:
+        names, tensors = tensors_of(obj)
+        b = self._bindings.get(id(obj))
+        if b is not None and b.names == names and all(x is y for x, y in zip(b.tensors, tensors, strict=True)):
+            return b
+        specs = [TensorSpec(n, tuple(t.shape)) for n, t in zip(names, tensors, strict=True)]
+        placement = place(specs, len(self.links), int(self.topology.slice_elements) or SLICE_ELEMENTS)
+        host = [
+            None
+            if (t.device.type == "cpu" and t.is_contiguous())
+            else torch.empty(t.numel(), dtype=torch.float32, pin_memory=t.device.type == "cuda")
+            for t in tensors
+        ]
+        b = Binding(names, tensors, placement, host)
+        self._bindings[id(obj)] = b
+        return b
+
+    def placement(self, obj: Tensors) -> Placement:
+        """Which pieces of `obj`'s tensors each shard holds (see paramserver.placement)."""
+        return self._bind(obj).placement
+
+    def digest(self, obj: Tensors) -> str:
+        """The digest naming this model on these shards (protos/paramserver/v1/SPEC.md says how it is made)."""
+        return self._bind(obj).digest
+
+    def register(self, obj: Tensors) -> int:
+        """Initialise every shard from `obj`, or adopt the weights the shards already hold; return the version."""
+        b = self._bind(obj)
+        self._each(lambda link: link.init(b))
+        self._session.registered = b
+        return self.pull(obj)
+
+    def pull(self, obj: Tensors) -> int:
+        """Copy the shards' current weights into `obj` in place; return the lowest shard version.
+
+        After a push, waits for the version that includes it (in sync mode: the end of that round).
+        """
+        return self._exchange(self._bind(obj), grads=None, step=0, pull=True)
+
+    def push(self, obj: Tensors, step: int | None = None) -> int:
+        """Send the gradient (each parameter's .grad; a mapping's tensors themselves) to every shard.
+
+        Returns the lowest shard version after the push. `step` identifies the push for exactly-once delivery
+        (default: this client's own counter).
+        """
+        b = self._bind(obj)
+        grads = b.gradients(isinstance(obj, torch.nn.Module))
+        return self._exchange(b, grads=grads, step=self._next_step(step), pull=False)
+
+    def push_pull(self, obj: Tensors, step: int | None = None) -> int:
+        """Push the gradient, then pull the weights that include it into `obj`: one exchange per shard, all
+        shards at once (one shard's pull overlaps another's push). Returns the lowest shard version pulled.
+
+        Raises like `push`; after Aborted (the round closed without this push) call `pull` to catch up. After
+        PullTimeout the push was taken but its round is still open (in sync mode: workers yet to join or to push);
+        `pull` waits for that round again.
+        """
+        b = self._bind(obj)
+        grads = b.gradients(isinstance(obj, torch.nn.Module))
+        return self._exchange(b, grads=grads, step=self._next_step(step), pull=True)
+
+    def _next_step(self, step: int | None) -> int:
+        if step is None:
+            self._step += 1
+            return self._step
+        return step
+
+    def _exchange(self, b: Binding, grads: list[np.ndarray] | None, step: int, pull: bool) -> int:
+        """Push `grads` (if given), then pull (if asked), on every shard at once; return the lowest version."""
+        flats = b.flats() if pull else None
+        bases = self.versions
+        large = b.largest_part * itemsize(self.dtype) > INLINE_BYTES
+        turns = Turns(len(self.links), self.timeout) if grads is not None and large else NO_TURNS
+        try:
+            versions = self._fan_out(lambda link: link.begin(b, grads, step, flats, turns))
+        except PullTimeout:
+            if grads is not None:
+                # A shard waits to answer a pull only once it has taken the push (or found its round closed).
+                for link, base in zip(self.links, bases, strict=True):
+                    link.pushed_without_answer(base)
+            raise
+        if pull:
+            b.unmirror_weights()
+        return min(versions)
+
+    # -- fanning out -------------------------------------------------------------------------------------------
+
+    def _fan_out(self, start: Callable[[ShardLink], Callable[[], T]]) -> list[T]:
+        """Run an operation on every shard at once: `start(link)` begins it and returns a function that waits for
+        its result. A shard that fails is then retried on its own (see ShardLink.retry); the first failure that
+        remains is raised, once every shard has finished."""
+        waits: list[Callable[[], T] | PSError] = [PSError()] * len(self.links)
+        for link in reversed(self.links):  # shard 0 last: its wait may run in this thread
+            try:
+                waits[link.index] = link.call(functools.partial(start, link))
+            except PSError as exc:
+                waits[link.index] = exc
+        results: list[T] = []
+        error: PSError | None = None
+        for link, wait in zip(self.links, waits, strict=True):
+            try:
+                if isinstance(wait, PSError):
+                    raise wait
+                results.append(link.call(wait))
+            except PSError as exc:
+                try:
+                    results.append(link.retry(functools.partial(_begin_and_wait, start, link), failed=exc))
+                except PSError as final:
+                    error = error or final
+        if error is not None:
+            raise error
+        return results
+
+    def _each(
+        self, fn: Callable[[ShardLink], T], links: Sequence[ShardLink] | None = None, rejoin: bool = True
+    ) -> list[T]:
+        """Run fn(link) for every link concurrently (each with its retries); raise the first failure."""
+        futs = [
+            self._pool.submit(link.retry, functools.partial(fn, link), rejoin)
+            for link in (self.links if links is None else links)
+        ]
+        results, error = [], None
+        for f in futs:
+            try:
+                results.append(f.result())
+            except PSError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
+
+    def close(self) -> None:
+        """Leave the job and close every channel."""
+        self._closing.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+        try:
+            self.leave()
+        except PSError as exc:
+            log.warning("leaving the job failed: %s", exc)
+        finally:
+            if self.links:
+                self._pool.shutdown(wait=True)
+            for link in self.links:
+                link.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
