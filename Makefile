@@ -9,7 +9,7 @@ WORKERS ?= 2
 PORT ?= 0
 DEMO_ARGS ?=
 
-.PHONY: install demo test lint proto clean bench deploy-check image image-test netns-test netns-clean monitoring-test js-test
+.PHONY: install demo test lint proto clean bench bench-smoke deploy-check image image-test netns-test netns-clean monitoring-test js-test
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ lint: $(STAMP)
 ## proto: regenerate paramserver/v1 from protos/ (committed; tests check it is current)
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/paramserver/v1/ps.proto
+
+## bench-smoke: the benchmark suite's quick run (about a minute) checked by tests/test_bench_smoke.py
+bench-smoke: $(STAMP)
+	PS_BENCH_SMOKE=1 $(PY) -m pytest tests/test_bench_smoke.py -q
 
 ## bench: the benchmark suite against its baselines, in one run -> bench/results/latest.{json,md,png}
 bench: $(STAMP)

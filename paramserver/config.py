@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from paramserver import modes
+from paramserver.shard import buffers as buffer_rules
 from paramserver.shard import optimizers
 
 C = TypeVar("C")
@@ -81,6 +82,13 @@ class ServerConfig:
     lr: float = config_field(1e-3, "learning rate")
     momentum: float = config_field(0.9, "momentum of the 'momentum' optimizer")
     weight_decay: float = config_field(0.0, "weight decay (decoupled for adamw)")
+    buffers: str = config_field(
+        "mean",
+        "what an update makes of the model's buffers (BatchNorm's running statistics: values the workers push, not "
+        f"gradients; the optimizer never touches them): {buffer_rules.describe()}",
+        choices=buffer_rules.NAMES,
+    )
+    buffer_momentum: float = config_field(0.5, "--buffers ema: the weight m of each update's value, in (0, 1]")
     job_name: str = config_field("paramserver", "workers naming another job are refused")
     pull_timeout: float = config_field(60.0, "seconds a pull may wait for the version it asks for")
     max_message_bytes: int = config_field(4 * 1024 * 1024, "largest gRPC message a shard accepts (chunks are ~1 MiB)")
@@ -144,6 +152,11 @@ class ServerConfig:
         "gradient-sized scratch buffers per shard: one per push being received at once (more wait), the open sync "
         "round's sum among them",
     )
+    max_pending_connections: int = config_field(
+        64,
+        "doorbell or data-socket connections that may be proving themselves (TLS, hello) at once, per socket; more "
+        "are closed at once and counted in paramserver_socket_connections_refused",
+    )
 
     def __post_init__(self) -> None:
         modes.mode(self.mode)  # ValueError naming the choices
@@ -156,6 +169,9 @@ class ServerConfig:
             raise ValueError(f"lr must be positive, not {self.lr}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must not be negative, not {self.weight_decay}")
+        buffer_rules.rule(self.buffers)  # ValueError naming the choices
+        if not 0 < self.buffer_momentum <= 1:
+            raise ValueError(f"buffer_momentum must be in (0, 1], not {self.buffer_momentum}")
         if not self.lease_timeout > 0:
             raise ValueError(f"lease_timeout must be positive, not {self.lease_timeout}")
         if not 0 <= self.backup_workers < self.workers:
@@ -165,6 +181,8 @@ class ServerConfig:
             raise ValueError(f"threads must be at least 1, not {self.threads}")
         if self.max_concurrent_pushes < 1:
             raise ValueError("max_concurrent_pushes must be at least 1")
+        if self.max_pending_connections < 1:
+            raise ValueError("max_pending_connections must be at least 1")
         from paramserver.v1.ps_pb2 import JoinRequest
         from paramserver.wire.bounds import declared  # the wire's bound: a longer name could never be named by a worker
 

@@ -5,7 +5,8 @@ Depends on nothing but the standard library, so both sides import it cheaply.
 Tensors above `slice_elements` are cut into one contiguous piece per shard, so a huge embedding does not load a
 single shard; the rest are packed whole, largest first, onto the least-loaded shard. Both sides prove they
 computed the same placement by comparing `digest(specs, num_shards, slice_elements)`. protos/paramserver/v1/SPEC.md
-defines both for other languages, with test vectors beside it.
+defines both for other languages, with test vectors beside it. A buffer (BatchNorm's running statistics) is placed
+like any tensor; only the digest, and the shard's update, tell it from a parameter.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ SLICE_ELEMENTS = 1 << 20
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One named dense tensor of the model."""
+    """One named dense tensor of the model: a parameter, or a buffer (a value the workers keep, not a gradient)."""
 
     name: str
     shape: tuple[int, ...]
+    buffer: bool = False
 
     @property
     def numel(self) -> int:
@@ -64,7 +66,8 @@ def digest(specs: Sequence[TensorSpec], num_shards: int, slice_elements: int = S
         "v": 1,
         "shards": num_shards,
         "slice": slice_elements,
-        "tensors": [[s.name, list(s.shape)] for s in specs],
+        # A buffer's entry says so; a parameter's stays [name, shape], so parameter-only digests never change.
+        "tensors": [[s.name, list(s.shape), "buffer"] if s.buffer else [s.name, list(s.shape)] for s in specs],
     }
     return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
 

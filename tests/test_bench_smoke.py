@@ -1,6 +1,7 @@
 """Smoke test of the benchmark suite: `bench/run.py --quick` runs its sections and writes its three files.
 
-It checks that the suite works, not how fast anything is: the quick sizes are too small to mean anything.
+It checks that the suite works, not how fast anything is: the quick sizes are too small to mean anything. The
+quick run takes a minute, so `make test` leaves it out: `make bench-smoke` (in .ci/run) runs it.
 About a minute on 2 idle cores (real shard and worker processes start a dozen times); a busy machine takes
 longer, and only pytest-timeout's generous limit stops it. The link section needs root and network namespaces:
 tests/test_bench_link.py runs it, from `make netns-test`.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -50,6 +52,8 @@ def run_quick(out: Path, sections: tuple[str, ...]) -> subprocess.CompletedProce
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    if os.environ.get("PS_BENCH_SMOKE") != "1":
+        pytest.skip("the benchmark's quick run (about a minute) runs with PS_BENCH_SMOKE=1: make bench-smoke")
     out = tmp_path_factory.mktemp("bench")
     return out, run_quick(out, SMOKE)
 

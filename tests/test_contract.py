@@ -26,7 +26,7 @@ CASES = _load_vectors()
 
 
 def _specs(case: dict[str, Any]) -> list[TensorSpec]:
-    return [TensorSpec(s["name"], tuple(s["shape"])) for s in case["specs"]]
+    return [TensorSpec(s["name"], tuple(s["shape"]), s.get("buffer", False)) for s in case["specs"]]
 
 
 def _make_vectors() -> ModuleType:
@@ -61,7 +61,11 @@ def _json_string(text: str) -> str:
 
 
 def _spec_digest(specs: list[dict[str, Any]], num_shards: int, slice_elements: int) -> str:
-    tensors = ",".join(f"[{_json_string(s['name'])},[{','.join(str(int(d)) for d in s['shape'])}]]" for s in specs)
+    def entry(s: dict[str, Any]) -> str:
+        kind = ',"buffer"' if s.get("buffer") else ""  # a buffer's entry names it; a parameter's has no third item
+        return f"[{_json_string(s['name'])},[{','.join(str(int(d)) for d in s['shape'])}]{kind}]"
+
+    tensors = ",".join(entry(s) for s in specs)
     text = f'{{"v":1,"shards":{int(num_shards)},"slice":{int(slice_elements)},"tensors":[{tensors}]}}'
     assert text.isascii()
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -117,7 +121,7 @@ def test_regenerating_the_vectors_changes_nothing() -> None:
 
 def test_vectors_hold_the_tricky_cases() -> None:
     """The cases SPEC.md promises: one shard, slicing with empty shards, the slice boundary, scalars,
-    zero-element tensors, escaped names, the default slice size."""
+    zero-element tensors, escaped names, the default slice size, buffers (sliced, scalar, among parameters)."""
     shapes = [s["shape"] for case in CASES for s in case["specs"]]
     names = "".join(s["name"] for case in CASES for s in case["specs"])
     assert any(case["num_shards"] == 1 for case in CASES)
@@ -126,6 +130,9 @@ def test_vectors_hold_the_tricky_cases() -> None:
     assert [] in shapes and any(0 in shape for shape in shapes)
     assert all(ch in names for ch in ('"', "\\", "\n", "\x01", "\x7f", "é", "\U0001f600", "\u2028"))
     assert any(case["slice_elements"] == SLICE_ELEMENTS for case in CASES)
+    buffers = [(c, s) for c in CASES for s in c["specs"] if s.get("buffer")]
+    assert any(s["shape"] == [] for _, s in buffers), "a scalar buffer"
+    assert any(_numel(s["shape"]) > c["slice_elements"] for c, s in buffers), "a sliced buffer"
     boundary = [c for c in CASES if {_numel(s["shape"]) for s in c["specs"]} >= {c["slice_elements"] + 1}]
     assert any(len([p for ps in c["shards"] for p in ps if p["name"] == "plus1"]) > 1 for c in boundary)
 

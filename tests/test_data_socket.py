@@ -438,7 +438,7 @@ def test_a_small_frame_goes_out_whole_through_partial_sends_and_many_pieces(dtyp
         got = bytearray()
 
         def drain() -> None:
-            want = len(head) + frames.payload_bytes(arrays, dtype)
+            want = len(head) + frames.payload_bytes(arrays, dtype) + frames.END.size
             while len(got) < want:
                 got.extend(b.recv(1000))
 
@@ -446,7 +446,7 @@ def test_a_small_frame_goes_out_whole_through_partial_sends_and_many_pieces(dtyp
         reader.start()
         frames.send_frame(a, head, arrays, dtype)
         reader.join(timeout=10)
-    assert bytes(got) == head + b"".join(encode(x, dtype) for x in arrays)
+    assert bytes(got) == head + b"".join(encode(x, dtype) for x in arrays) + frames.end_of(head)
 
 
 def test_data_socket_hello_must_present_the_workers_ticket(raw: Raw) -> None:
@@ -539,6 +539,7 @@ def test_a_frame_announcing_more_than_the_model_is_too_large_and_ends_the_connec
     before = raw.shard.state_bytes()
     body = raw.request(push=True, step=1, base_version=0).SerializeToString()
     for size in (raw.elements * 4 + 1, 1 << 40):
+        _attach(raw, hello)  # a ticket proves one connection: each new one is attached anew
         with _session(raw, hello) as bell:
             bell.sock.sendall(REQUEST_HEAD.pack(len(body), CALL_TIMEOUT, size) + body)  # the header only
             reply = bell.reply()
@@ -550,7 +551,8 @@ def test_a_frame_announcing_more_than_the_model_is_too_large_and_ends_the_connec
         "paramserver_rejected_total", {"shard": "0", "reason": "TooLarge"}
     )
     assert rejected == 2
-    with _session(raw, hello) as bell:  # the ticket still holds
+    _attach(raw, hello)
+    with _session(raw, hello) as bell:  # attached again, a connection works again
         assert _ok(bell.call(raw.request(pull=True))).pulled.version == 0
 
 
@@ -613,16 +615,13 @@ def test_socket_attach_refusals_attach_nothing(raw: Raw) -> None:
 def test_a_worker_that_leaves_loses_its_ticket(raw: Raw) -> None:
     hello = _ticket(raw)
     _attach(raw, hello)
-    with _session(raw, hello) as bell:  # connected before it leaves
-        raw.stub.Leave(ps_pb2.LeaveRequest(worker_id=WORKER), timeout=CALL_TIMEOUT)
+    with _session(raw, hello) as bell:  # connected before it leaves: the shard ends the connection
         before = raw.shard.state_bytes()
-        push = raw.request(push=True, step=1, base_version=0, pull=True)
-        assert _error(bell.call(push, payload=_f32(GRAD)))[:2] == UNKNOWN_WORKER
-        assert _error(bell.call(raw.request(pull=True)))[:2] == UNKNOWN_WORKER
+        raw.stub.Leave(ps_pb2.LeaveRequest(worker_id=WORKER), timeout=CALL_TIMEOUT)
+        assert bell.closed_by_peer(), "the connection of a worker that left stayed open"
         assert _refused_hello(raw, hello) == UNKNOWN_WORKER
-        # Back in the job, the ticket stays dropped: for the open connection and for a new hello.
+        # Back in the job, the ticket stays dropped.
         raw.stub.Join(ps_pb2.JoinRequest(worker_id=WORKER, job_name=JOB), timeout=CALL_TIMEOUT)
-        assert _error(bell.call(push, payload=_f32(GRAD)))[:2] == NOT_ATTACHED
         assert _refused_hello(raw, hello) == NOT_ATTACHED
         assert raw.shard.state_bytes() == before
     _attach(raw, hello)

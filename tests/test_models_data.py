@@ -47,8 +47,8 @@ def test_builtin_model_forward_on_digits(name: str, digits: Dataset) -> None:
     out = model(digits.x_train[:7])
     assert out.shape == (7, 10)
     assert out.dtype == torch.float32
-    # The server holds only parameters, so a built-in model with buffers could not be synchronised.
-    assert list(model.buffers()) == []
+    # Only the resnet has buffers (BatchNorm's running statistics, held by the shards like its parameters).
+    assert bool(list(model.buffers())) == (name == "resnet")
 
 
 @pytest.mark.parametrize("name", BUILTIN_MODELS)

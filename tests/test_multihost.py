@@ -106,11 +106,12 @@ class Job:
     def text(self, name: str) -> str:
         return self.log(name).read_text(errors="replace")
 
-    def start_shards(self) -> None:
+    def start_shards(self, *extra: str) -> None:
+        """Start both shards (sync, 2 workers, a short lease), `extra` flags after these (the last one counts)."""
         for i in range(2):
             argv = [
                 PS_SERVER, "--shard-index", str(i), "--peers", PEERS, "--host", "0.0.0.0", "--port", "50051",
-                "--mode", "sync", "--workers", "2", "--lease-timeout", str(LEASE), "--log-level", "INFO",
+                "--mode", "sync", "--workers", "2", "--lease-timeout", str(LEASE), "--log-level", "INFO", *extra,
             ]  # fmt: skip
             self.shards.append(self.lab.popen(f"shard-{i}", argv, self.log(f"shard-{i}"), env=CHILD_ENV))
         for i, proc in enumerate(self.shards):
@@ -439,3 +440,69 @@ def test_bandwidth_limited_worker(job: Job) -> None:
     if base:
         figures["slowdown_vs_unlimited"] = round(max(figures["worker_seconds"]) / max(base["worker_seconds"]), 2)
     _report("bandwidth", **figures)
+
+
+# A worker that pushes and pulls a 16 MB model (8 MB per shard: over the size a shard waits for whole before it
+# takes a scratch buffer) as fast as it can, printing the time of each step.
+_PUSHER = """
+import json, sys, time, torch
+from worker import PSClient
+with PSClient(sys.argv[1], shared_memory=False, timeout=300.0) as client:
+    model = {"w": torch.zeros(4_000_000)}
+    client.register(model)
+    for step in range(100_000):
+        client.push_pull({"w": torch.full((4_000_000,), 1e-3)})
+        print(json.dumps({"t": time.time(), "step": step}), flush=True)
+"""
+
+
+def _steps(job: Job, name: str) -> list[float]:
+    out = []
+    for line in job.text(name).splitlines():
+        if line.startswith('{"t"'):
+            out.append(json.loads(line)["t"])
+    return out
+
+
+@needs_nft
+@needs_tc
+@pytest.mark.timeout(900)
+def test_a_link_dropped_mid_push_holds_the_shard_only_until_the_frame_deadline(job: Job) -> None:
+    """worker-1's link (20 Mbit/s, so that its 8 MB pushes take seconds) is dropped mid-push, without a FIN: its
+    shard holds the push's scratch buffer (--max-concurrent-pushes 1) only until the frame's deadline (10 s + 1 s
+    per MiB), then ends the connection, and worker-0's pushes go on. The lease is long, so eviction cannot be
+    what frees it."""
+    t0 = time.monotonic()
+    job.lab.limit_bandwidth("worker-1", rate="20mbit", burst="32kbit", latency="400ms")
+    job.start_shards("--mode", "async", "--lease-timeout", "600", "--max-concurrent-pushes", "1")
+    for i in range(2):
+        argv = [sys.executable, "-c", _PUSHER, "shard-0:50051"]
+        job.workers[f"worker-{i}"] = job.lab.popen(f"worker-{i}", argv, job.log(f"worker-{i}"), env=CHILD_ENV)
+    _wait_for(lambda: len(_steps(job, "worker-1")) >= 2, 300, "worker-1 to take two steps over its slow link")
+    time.sleep(1.0)  # well into its next push (each takes about 3 s per shard at 20 Mbit/s)
+    t_cut = time.time()
+    job.lab.partition("worker-1")
+    try:
+        done = len([t for t in _steps(job, "worker-0") if t < t_cut])
+        _wait_for(
+            lambda: len(_steps(job, "worker-0")) >= done + 10,
+            180,
+            "worker-0 to take 10 more steps after worker-1's link was dropped",
+        )
+        ended = _wait_for(
+            lambda: [e for i in range(2) for e in _log_events(job.log(f"shard-{i}"), "past their deadline")] or None,
+            60,
+            "a shard to end the stalled connection",
+        )
+    finally:
+        job.lab.heal("worker-1")
+    after = [t for t in _steps(job, "worker-0") if t >= t_cut]
+    gaps = [b - a for a, b in zip([t_cut, *after], after, strict=False)]
+    assert max(gaps) < 120, gaps  # the client's own timeout would have failed the step long before
+    _report(
+        "dropped_mid_push",
+        longest_wait_of_worker0_after_the_cut_s=round(max(gaps), 1),
+        connection_ended_after_s=round(min(t for t, _ in ended) - t_cut, 1),
+        steps_after_cut=len(after),
+        test_seconds=round(time.monotonic() - t0, 1),
+    )

@@ -425,7 +425,7 @@ def test_oversized_message_after_complete_push_changes_nothing(live: Live) -> No
         for attempt in range(8):
             before = live.shard.state_bytes()
             with pytest.raises(grpc.RpcError) as info:
-                live.push([live.header(step=0), *live.full(), live.raw(PW, 0, OVERSIZED)])
+                live.push([live.header(step=1000 + attempt), *live.full(), live.raw(PW, 0, OVERSIZED)])
 
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
             _barrier(live)

@@ -38,6 +38,7 @@ from paramserver.shard.state import Shard, make_optimizer
 from paramserver.transport import shm
 from paramserver.transport.socket_client import FrameClient
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
+from paramserver.wire import frames
 from paramserver.wire.frames import MAX_FRAME
 from worker.client import PSClient
 from worker.client.transports import SharedMemory
@@ -336,7 +337,8 @@ class Bell:
         payload: bytes = b"",
     ) -> None:
         body = message.SerializeToString()
-        self.sock.sendall(REQUEST_HEAD.pack(len(body), timeout, len(payload)) + body + payload)
+        head = REQUEST_HEAD.pack(len(body), timeout, len(payload)) + body
+        self.sock.sendall(head + payload + frames.end_of(head))
 
     def reply(self) -> bytes | None:
         """One reply frame's body (its payload kept in self.payload), or None when the shard closed the
@@ -350,6 +352,7 @@ class Bell:
         payload = _recv_exact(self.sock, size) if size else b""
         assert payload is not None, "a reply payload was cut off"
         self.payload = payload
+        assert _recv_exact(self.sock, frames.END.size) == frames.end_of(head + body), "a reply's end is wrong"
         return body
 
     def call(
@@ -925,7 +928,9 @@ def test_malformed_doorbell_frames_end_the_connection_and_the_shard_serves_on(
         assert raw.shard.state_bytes() == before
     finally:
         bell.close()
-    # The doorbell still accepts connections, and a normal client trains through it.
+    # The doorbell still accepts connections (of a new attachment: each proves one), and a normal client trains
+    # through it.
+    raw.attach(seg)
     bell = Bell(address)
     try:
         assert bell.call(raw.hello(seg)) == bytes([OK_BYTE])
@@ -954,6 +959,8 @@ def _doorbell_pull_waits(cluster: LocalCluster, model: dict[str, torch.Tensor], 
             model_digest=client.digest(model),
         )
         request = ps_pb2.ExchangeRequest(worker_id=WORKER, model_digest=hello.model_digest, pull=True, min_version=99)
+        with grpc.insecure_channel(cluster.address) as channel:  # the segment again: an attachment per connection
+            ps_pb2_grpc.ParameterServerStub(channel).Attach(hello, timeout=CALL_TIMEOUT)
         bell = Bell(cluster.servers[0].servicer.doorbell)
         try:
             assert bell.call(hello) == bytes([OK_BYTE])

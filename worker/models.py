@@ -1,6 +1,6 @@
 """Build the model a worker trains: a built-in by name, or any user factory given as `module:factory`."""
 
-# Depends on torch only; the server never imports this module, it sees just the parameters' names and shapes.
+# Depends on torch only; the server never imports this module, it sees just the tensors' names and shapes.
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable
 
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-BUILTIN_MODELS: tuple[str, ...] = ("logreg", "mlp", "cnn")
+BUILTIN_MODELS: tuple[str, ...] = ("logreg", "mlp", "cnn", "resnet")
 
 _ACCEPTED = f"one of {', '.join(BUILTIN_MODELS)}, or 'package.module:factory'"
 
@@ -30,6 +31,8 @@ def build_model(name: str, *, in_shape: tuple[int, ...], num_classes: int) -> nn
         return _mlp(in_shape, num_classes)
     if name == "cnn":
         return _cnn(in_shape, num_classes)
+    if name == "resnet":
+        return resnet(in_shape=in_shape, num_classes=num_classes)
     if ":" in name:
         return _from_factory(name, in_shape, num_classes)
     raise ValueError(f"unknown model {name!r}: expected {_ACCEPTED}")
@@ -64,7 +67,7 @@ def _cnn(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     channels, height, width = in_shape
     if height < 2 or width < 2:
         raise ValueError(f"the cnn max-pools by 2, so H and W must be at least 2; got shape {in_shape}")
-    # No BatchNorm or dropout: the server holds only parameters, so the model must have no buffers.
+    # Kept as it was (no BatchNorm) so that its digest, and the checkpoints of jobs that trained it, stay valid.
     return nn.Sequential(
         OrderedDict(
             conv1=nn.Conv2d(channels, 32, 3, padding=1),
@@ -76,6 +79,49 @@ def _cnn(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
             fc1=nn.Linear(64 * (height // 2) * (width // 2), 128),
             relu3=nn.ReLU(),
             fc2=nn.Linear(128, num_classes),
+        )
+    )
+
+
+class _Block(nn.Module):
+    """A ResNet basic block: two 3x3 convolutions with BatchNorm, plus the input (projected when its shape changes)."""
+
+    def __init__(self, channels_in: int, channels: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or channels_in != channels:
+            self.shortcut = nn.Sequential(
+                OrderedDict(
+                    conv=nn.Conv2d(channels_in, channels, 1, stride=stride, bias=False), bn=nn.BatchNorm2d(channels)
+                )
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+def resnet(*, in_shape: tuple[int, ...], num_classes: int, width: int = 16) -> nn.Module:
+    """A small ResNet for (C, H, W) images: a 3x3 stem and two stages of basic blocks, each with BatchNorm2d (whose
+    running statistics are buffers the shards hold), global average pooling, a linear classifier."""
+    if len(in_shape) != 3:
+        raise ValueError(
+            f"the resnet needs image-shaped data (C, H, W), but the dataset's samples have shape {in_shape}"
+        )
+    return nn.Sequential(
+        OrderedDict(
+            conv=nn.Conv2d(in_shape[0], width, 3, padding=1, bias=False),
+            bn=nn.BatchNorm2d(width),
+            relu=nn.ReLU(),
+            layer1=_Block(width, width),
+            layer2=_Block(width, 2 * width, stride=2),
+            pool=nn.AdaptiveAvgPool2d(1),
+            flatten=nn.Flatten(),
+            fc=nn.Linear(2 * width, num_classes),
         )
     )
 

@@ -7,10 +7,12 @@ costs about max(compute, exchange) instead of their sum. The price is one step m
 which async and bounded-staleness training tolerate by design; a sync round must see the gradients of its own
 weights, so sync jobs do not overlap.
 
-No tensor is copied for it. Each parameter has three storages that take turns: the weights the model computes
+No parameter is copied for it. Each parameter has three storages that take turns: the weights the model computes
 on, the gradient that backward fills, and the one in flight (sent as the gradient, then overwritten by the
 weights the servers answer with). Once an exchange is back its storage becomes the parameter's data, the old data
-becomes the next gradient, and this step's gradient goes out.
+becomes the next gradient, and this step's gradient goes out. A buffer (BatchNorm's running statistics), which the
+forward pass updates in place, is copied instead: its value now goes out with the gradient, and the value the
+servers answer with is copied into it when the exchange is back.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from types import TracebackType
 from typing import Generic, TypeVar
 
 import torch
+
+from worker.client.binding import TensorDict, buffers_of
 
 T = TypeVar("T")
 Exchange = Callable[[dict[str, torch.Tensor]], T]
@@ -36,17 +40,26 @@ class Overlap(Generic[T]):
     """
 
     def __init__(self, model: torch.nn.Module, exchange: Exchange[T]) -> None:
-        # Every parameter, as PSClient registers them (a frozen one sends zeros), so the dicts are the model's.
+        # Every parameter (a frozen one sends zeros), then every buffer, as PSClient registers a module, so the dicts
+        # name the same model.
         self._params = list(model.named_parameters())
         if not self._params:
             raise ValueError("the model has no parameters")
+        self._buffers = buffers_of(model)
         self._exchange = exchange
         self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-overlap")
         # Each set of storages is one dict of tensors, the same objects from step to step (so the client binds each
         # dict once): the set the parameters alias, the set backward fills, the set in flight with its result.
-        self._data = {name: p.detach() for name, p in self._params}
+        self._data: dict[str, torch.Tensor] = self._storages({name: p.detach() for name, p in self._params})
         self._grads: dict[str, torch.Tensor] = {}
         self._in_flight: tuple[futures.Future[T], dict[str, torch.Tensor]] | None = None
+
+    def _storages(self, params: dict[str, torch.Tensor]) -> TensorDict:
+        """One set: these parameter storages, and a storage of each buffer's own (its value is copied in)."""
+        return TensorDict(
+            [*params.items(), *((name, b.detach().clone()) for name, b in self._buffers)],
+            buffers=(name for name, _ in self._buffers),
+        )
 
     def step(self) -> T | None:
         """Send this step's gradients, and put the weights of the previous exchange into the model (waiting for it
@@ -56,11 +69,16 @@ class Overlap(Generic[T]):
             if p.grad is None:  # a parameter this step did not use: its gradient is zero
                 p.grad = torch.zeros_like(p)
             grads[name] = p.grad  # the same object as before, unless something replaced .grad
+        if not isinstance(grads, TensorDict):  # the first step's set
+            grads = self._grads = self._storages(grads)
+        with torch.no_grad():
+            for name, b in self._buffers:
+                grads[name].copy_(b)  # the value this step's forward left: it goes out with the gradient
         result, freed = self._land()
         self._in_flight = (self._pool.submit(self._exchange, grads), grads)
         # Backward accumulates into .grad in place, so the next step needs a storage of its own: the data just
         # replaced (on the first step, a new one). The caller zeroes it with zero_grad as usual.
-        self._grads = freed if freed is not None else {name: torch.zeros_like(p) for name, p in self._params}
+        self._grads = freed if freed is not None else self._storages({n: torch.zeros_like(p) for n, p in self._params})
         for name, p in self._params:
             p.grad = self._grads[name]
         return result
@@ -80,6 +98,8 @@ class Overlap(Generic[T]):
         with torch.no_grad():
             for name, p in self._params:
                 p.data = tensors[name]
+            for name, b in self._buffers:
+                b.copy_(tensors[name])
         freed, self._data = self._data, tensors
         return result, freed
 

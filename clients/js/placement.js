@@ -34,7 +34,9 @@ function jsonString(text) {
 
 function canonicalJson(specs, numShards, sliceElements) {
   const dims = (shape) => shape.map((d) => BigInt(d).toString()).join(',');
-  const tensors = specs.map((s) => '[' + jsonString(s.name) + ',[' + dims(s.shape) + ']]').join(',');
+  // A buffer's entry ends with "buffer"; a parameter's is just [name, shape].
+  const kind = (s) => (s.buffer ? ',"buffer"' : '');
+  const tensors = specs.map((s) => '[' + jsonString(s.name) + ',[' + dims(s.shape) + ']' + kind(s) + ']').join(',');
   return `{"v":1,"shards":${BigInt(numShards)},"slice":${BigInt(sliceElements)},"tensors":[${tensors}]}`;
 }
 

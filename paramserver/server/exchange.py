@@ -19,6 +19,7 @@ and the metrics (pulls, bytes in and out; refused requests through `rejected`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -27,7 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
-from paramserver.errors import PSError
+from paramserver.errors import InvalidArgument, PSError
 from paramserver.shard.model import ShardModel
 from paramserver.shard.state import Shard
 from paramserver.transport import shm
@@ -74,6 +75,9 @@ class GradientSource(ABC):
     def nbytes(self) -> int:
         """The bytes received for this push (for the metrics), once it is in."""
 
+    def ready(self) -> None:  # noqa: B027 - not abstract: most sources have nothing to wait for
+        """Wait, holding nothing, until the gradient can be received at once (a small payload all arrived)."""
+
     def fill(self, model: ShardModel, grad: np.ndarray) -> None:
         """Write the whole gradient into `grad`, a scratch buffer of the model's size; raise if it is malformed."""
         raise NotImplementedError(f"{type(self).__name__} is used in place")
@@ -112,6 +116,9 @@ class PayloadGradient(GradientSource):
     @property
     def nbytes(self) -> int:
         return self._payload.size
+
+    def ready(self) -> None:
+        self._payload.wait_arrival()  # a stalled small push then holds no scratch buffer
 
     def fill(self, model: ShardModel, grad: np.ndarray) -> None:
         self._payload.read_into([grad], self._dtype)
@@ -296,16 +303,22 @@ class ExchangeHandler:
                 raise ValueError("a push names its model: see ExchangeHandler.model")
             reply.version, reply.applied = self._push(want, model, source)
             metrics.bytes_in.inc(source.nbytes)
+            if not reply.applied:  # a retry of a push taken before: its version may be older than base + 1
+                want = dataclasses.replace(want, min_version=min(want.min_version, reply.version))
         if sink is not None:
             self._pull(want, sink, _clamp(timeout, self.shard.config.pull_timeout), reply)
         return reply
 
     def _push(self, want: Want, model: ShardModel, source: GradientSource) -> tuple[int, bool]:
         shard = self.shard
+        if want.step < 1:
+            # (worker, step) names a push so that a retry applies once: a step that cannot name one is refused.
+            raise InvalidArgument("a push's step starts at 1: the shard applies each (worker_id, step) once")
         if source.in_place:
             # The segment was found through the worker's live attachment, which checked the worker.
             return shard.push(want.worker_id, want.step, want.base_version, source.region(model), model.digest)
         shard.check_worker(want.worker_id)  # before a scratch buffer is taken and the gradient received
+        source.ready()
         with shard.scratch() as grad:
             source.fill(model, grad)  # a refusal here changes nothing: the buffer is the pool's
             return shard.push(want.worker_id, want.step, want.base_version, grad, model.digest, lent=True)

@@ -3,6 +3,8 @@ counterpart of the gRPC servicer, a thin layer from frames to the exchange handl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from paramserver.errors import MalformedStream
 from paramserver.server.exchange import ExchangeHandler, LentWeights, PayloadGradient, Want, segment_route
 from paramserver.transport import shm
@@ -18,9 +20,10 @@ class FrameService:
         self.handler = handler
         self.shard = handler.shard
 
-    def verify(self, hello: ps_pb2.AttachRequest) -> None:
-        """Accept a connection that presents its worker's attachment (NotAttached otherwise)."""
-        self.shard.attachments.verify(hello.worker_id, hello.shared_memory.name, hello.nonce)
+    def verify(self, hello: ps_pb2.AttachRequest, close: Callable[[], None]) -> None:
+        """Accept a connection that presents its worker's attachment, once (NotAttached otherwise); `close` ends
+        it when the attachment ends."""
+        self.shard.attachments.verify(hello.worker_id, hello.shared_memory.name, hello.nonce, close)
 
     def payload_limit(self) -> int:
         """The most payload bytes a data-socket frame may carry: the shard's part of the model in float32."""

@@ -117,6 +117,13 @@ class ShardMetrics:
         self.evictions = Counter(
             "paramserver_evictions", "Workers evicted after their lease ran out", ["shard"], registry=r
         ).labels(s)
+        self.connections_refused = Counter(
+            "paramserver_socket_connections_refused",
+            "Doorbell and data-socket connections ended before they proved themselves, by reason (pending_cap: "
+            "too many at once; handshake_timeout: no valid hello in time)",
+            ["shard", "socket", "reason"],
+            registry=r,
+        )
         # Read at each scrape: cheap, and a container's limit can be changed while it runs.
         Gauge(
             "paramserver_memory_limit_bytes",
@@ -132,6 +139,9 @@ class ShardMetrics:
 
     def rejected_for(self, reason: str) -> None:
         self.rejected.labels(self._shard, reason).inc()
+
+    def refused_connection(self, socket: str, reason: str) -> None:
+        self.connections_refused.labels(self._shard, socket, reason).inc()
 
     def straggler(self, rank: int) -> None:
         self.stragglers.labels(self._shard, str(rank)).inc()

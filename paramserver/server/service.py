@@ -88,7 +88,7 @@ def specs_from_proto(specs: Iterable[ps_pb2.TensorSpec]) -> list[TensorSpec]:
     for s in specs:
         if not s.name:
             raise InvalidArgument("every tensor needs a name")
-        out.append(TensorSpec(s.name, tuple(int(d) for d in s.shape)))
+        out.append(TensorSpec(s.name, tuple(int(d) for d in s.shape), s.buffer))
     return out
 
 
@@ -172,7 +172,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 ),
                 initialized=d.initialized,
                 model_digest=d.digest,
-                specs=[ps_pb2.TensorSpec(name=s.name, shape=s.shape) for s in d.specs],
+                specs=[ps_pb2.TensorSpec(name=s.name, shape=s.shape, buffer=s.buffer) for s in d.specs],
                 version=d.version,
                 slice_elements=SLICE_ELEMENTS,
             )

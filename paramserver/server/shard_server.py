@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import socket
 import threading
@@ -140,13 +141,19 @@ class ShardServer:
         self.shard.restore()
         self.shard.start()
         frames, rejected = self.frames, self.servicer.handler.rejected
+        c = self.shard.config
         if self.shard.config.shared_memory:
             # Same-host workers' Exchanges over a Unix socket (see paramserver.transport.socket_server).
-            self._doorbell = FrameServer(frames.verify, frames.exchange, rejected)
+            self._doorbell = FrameServer(
+                frames.verify,
+                frames.exchange,
+                rejected,
+                max_pending=c.max_pending_connections,
+                on_refused=functools.partial(self.shard.metrics.refused_connection, "doorbell"),
+            )
             self.endpoints.doorbell = str(self._doorbell.address)
         if self._data_listener is not None:
             # Other hosts' workers' tensors, as raw bytes over TCP (TLS like the gRPC port when it has TLS).
-            c = self.shard.config
             self._data = FrameServer(
                 frames.verify,
                 frames.exchange,
@@ -154,6 +161,8 @@ class ShardServer:
                 listener=self._data_listener,
                 tls=server_ssl_context(c.tls_cert, c.tls_key, c.tls_ca),
                 payload_limit=frames.payload_limit,
+                max_pending=c.max_pending_connections,
+                on_refused=functools.partial(self.shard.metrics.refused_connection, "data"),
             )
             self.endpoints.data_port = self._data.port
         self._server.start()

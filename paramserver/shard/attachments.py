@@ -6,6 +6,7 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,13 +36,16 @@ class Attachments:
     """The shard's attachments, under the shard's lock.
 
     An entry is replaced by the worker's next attachment and dropped (not closed) when the worker goes: an Exchange
-    in flight keeps a segment's mapping alive until it ends.
+    in flight keeps a segment's mapping alive until it ends. Each attachment proves one connection (a doorbell or
+    data-socket hello) and no other; that connection is ended when the attachment is replaced or dropped (the
+    worker attached again, left, or was evicted).
     """
 
     def __init__(self, shard: Shard, lock: threading.Condition) -> None:
         self._shard = shard
         self._lock = lock
         self._by_worker: dict[str, Attachment] = {}
+        self._connection: dict[str, Callable[[], None]] = {}  # worker -> what ends its proven connection
 
     def attach_segment(self, worker_id: str, name: str, nonce: bytes, elements: int, digest: str) -> None:
         """Map a live worker's shared-memory segment for its Exchanges (replacing any earlier attachment)."""
@@ -69,15 +73,28 @@ class Attachments:
         with self._lock:
             self._shard.membership.get(worker_id)  # it may have left meanwhile
             self._by_worker[worker_id] = attachment
+            self._end_connection(worker_id)
 
-    def verify(self, worker_id: str, name: str, nonce: bytes) -> None:
-        """Raise NotAttached unless the live worker's attachment is this segment or ticket (a connection's proof
-        on the doorbell or data socket)."""
+    def verify(self, worker_id: str, name: str, nonce: bytes, close: Callable[[], None]) -> None:
+        """Raise NotAttached unless the live worker's attachment is this segment or ticket and has not proven a
+        connection yet (a connection's proof on the doorbell or data socket); `close` ends the connection once
+        the attachment does."""
         with self._lock:
             self._shard.membership.get(worker_id)
             attached = self._by_worker.get(worker_id)
-        if attached is None or attached.name != name or not hmac.compare_digest(attached.nonce, nonce):
-            raise NotAttached(f"worker {worker_id} has no such attachment on shard {self._shard.index}")
+            if attached is None or attached.name != name or not hmac.compare_digest(attached.nonce, nonce):
+                raise NotAttached(f"worker {worker_id} has no such attachment on shard {self._shard.index}")
+            if worker_id in self._connection:
+                raise NotAttached(
+                    f"worker {worker_id}'s attachment on shard {self._shard.index} has proven its connection "
+                    "already: attach again for another"
+                )
+            self._connection[worker_id] = close
+
+    def _end_connection(self, worker_id: str) -> None:
+        close = self._connection.pop(worker_id, None)
+        if close is not None:
+            close()
 
     def get(self, worker_id: str, model: ShardModel) -> Attachment:
         """The live worker's segment or ticket for `model`; NotAttached if it has none."""
@@ -96,9 +113,12 @@ class Attachments:
         return attached
 
     def drop(self, worker_id: str) -> None:
-        """Forget a worker's attachment (it left or was evicted); call under the lock."""
+        """Forget a worker's attachment (it left or was evicted) and end its connection; call under the lock."""
         self._by_worker.pop(worker_id, None)
+        self._end_connection(worker_id)
 
     def clear(self) -> None:
         """Forget every attachment (the shard is closing); call under the lock."""
         self._by_worker.clear()
+        for worker_id in list(self._connection):
+            self._end_connection(worker_id)

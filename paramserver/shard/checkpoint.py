@@ -111,7 +111,7 @@ def save(directory: str | Path, snap: Snapshot, keep: int = KEEP) -> Path:
             "format": 1,
             "shard_index": snap.shard_index,
             "num_shards": snap.num_shards,
-            "specs": [[s.name, list(s.shape)] for s in snap.specs],
+            "specs": [[s.name, list(s.shape), "buffer"] if s.buffer else [s.name, list(s.shape)] for s in snap.specs],
             "digest": snap.digest,
             "version": snap.version,
             "optimizer": snap.optimizer,
@@ -155,6 +155,14 @@ def list_checkpoints(directory: str | Path, shard_index: int) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def _spec(entry: list[Any]) -> TensorSpec:
+    """A tensor spec as the header writes it: [name, shape], or [name, shape, "buffer"] for a buffer."""
+    name, shape, *kind = entry
+    if kind not in ([], ["buffer"]):
+        raise ValueError(f"unknown kind of tensor {kind!r} for {name!r}")
+    return TensorSpec(str(name), tuple(int(d) for d in shape), buffer=bool(kind))
+
+
 def load(path: str | Path) -> Snapshot:
     """Read and verify one checkpoint file; raise CorruptCheckpoint if anything is off."""
     data = Path(path).read_bytes()
@@ -181,7 +189,7 @@ def load(path: str | Path) -> Snapshot:
         return Snapshot(
             shard_index=int(header["shard_index"]),
             num_shards=int(header["num_shards"]),
-            specs=tuple(TensorSpec(n, tuple(s)) for n, s in header["specs"]),
+            specs=tuple(_spec(entry) for entry in header["specs"]),
             digest=str(header["digest"]),
             version=int(header["version"]),
             optimizer=str(header["optimizer"]),

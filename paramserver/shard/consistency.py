@@ -34,7 +34,8 @@ class Applier(Protocol):
         waited: float | None = None,
         staleness: int | None = None,
     ) -> None:
-        """Run one optimizer step with this flat gradient and bump the version (with what to record about it)."""
+        """Apply one update with this flat gradient (the optimizer on parameters; buffer elements carry values, set
+        by the job's buffer rule) and bump the version (with what to record about it)."""
 
     def keep_scratch(self, grad: torch.Tensor) -> bool:
         """Keep `grad`, a lent scratch buffer, until `release_scratch`; False: it may not, and must copy it."""
@@ -57,6 +58,9 @@ class Policy(Protocol):
 
     def waiting_for(self, shard: Applier) -> str:
         """Say in words what the next version waits for (for timeouts and logs)."""
+
+    def pending(self, worker_id: str) -> bool:
+        """Whether this worker's gradient waits in the open round (applied with the next version, not yet)."""
 
     def in_progress(self) -> bool:
         """Whether a round has some but not all of its gradients."""
@@ -141,6 +145,9 @@ class SyncPolicy:
             )
         return f"round {shard.version} has {have} gradient(s), waiting for workers {missing}"
 
+    def pending(self, worker_id: str) -> bool:
+        return worker_id in self._contributors
+
     def in_progress(self) -> bool:
         return bool(self._contributors)
 
@@ -185,6 +192,9 @@ class AsyncPolicy:
 
     def reset(self, numel: int) -> None:
         pass
+
+    def pending(self, worker_id: str) -> bool:
+        return False  # every gradient applies on arrival
 
     def in_progress(self) -> bool:
         return False

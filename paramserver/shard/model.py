@@ -1,5 +1,6 @@
-"""The part of one placed model that a shard holds: its pieces back to back in one flat float32 buffer, and the
-optimizer over that buffer. Built from a checked Init header or from a checkpoint's placement."""
+"""The part of one placed model that a shard holds: its pieces back to back in one flat float32 array, the
+optimizer over that array, and which of its elements are buffers. Built from a checked Init header or from a
+checkpoint's placement."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from paramserver.config import ServerConfig
 from paramserver.errors import InvalidArgument, ModelMismatch, TooLarge
 from paramserver.placement import SLICE_ELEMENTS, Piece, Placement, TensorSpec, place
+from paramserver.shard import buffers
 from paramserver.shard.optimizers import make_optimizer
 
 
@@ -32,6 +34,7 @@ class ShardModel:
     labels: tuple[str, ...]
     params: torch.Tensor  # flat float32, the pieces back to back
     optimizer: torch.optim.Optimizer
+    buffers: buffers.Buffers  # which elements are buffers (none for most models), and the job's rule for them
 
     @property
     def digest(self) -> str:
@@ -40,6 +43,10 @@ class ShardModel:
     @property
     def numel(self) -> int:
         return int(self.params.numel())
+
+    def step(self, grad: torch.Tensor) -> None:
+        """Apply one update with a flat gradient: the optimizer on the parameters, the buffer rule on the buffers."""
+        self.buffers.step(self.params, grad, self.optimizer)
 
     def views(self, flat: np.ndarray) -> list[np.ndarray]:
         """Split a flat buffer of this shard's size into one view per piece."""
@@ -86,4 +93,7 @@ def build_model(placement: Placement, index: int, config: ServerConfig) -> Shard
         tuple(piece_label(p, by_name) for p in pieces),
         params,
         make_optimizer(config, params),
+        buffers.Buffers(
+            buffers.ranges(pieces, offsets, placement.specs), buffers.rule(config.buffers), config.buffer_momentum
+        ),
     )

@@ -220,7 +220,9 @@ class Shard:
             if step and self.applied.seen(worker_id, step):
                 self.stats.duplicate_pushes += 1
                 self.metrics.pushed("duplicate")
-                return self.version, False
+                # The version a pull must wait for to include the push taken before: the next one while its
+                # round is open, else this one.
+                return self.version + self.policy.pending(worker_id), False
             try:
                 self.policy.submit(self, worker_id, base_version, torch.from_numpy(grad), lent=lent)
             except StaleRound:
@@ -254,13 +256,12 @@ class Shard:
         waited: float | None = None,
         staleness: int | None = None,
     ) -> None:
-        """Run one optimizer step with a flat gradient; called by the policy under the lock."""
+        """Apply one update with a flat gradient (its buffer elements carry values: see ShardModel.step); called by
+        the policy under the lock."""
         model = self.model
         assert model is not None
         started = time.perf_counter()
-        model.params.grad = grad
-        model.optimizer.step()
-        model.params.grad = None
+        model.step(grad)
         self.version += 1
         self._cond.notify_all()
         m = self.metrics

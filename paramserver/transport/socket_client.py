@@ -12,15 +12,27 @@ import ssl
 import sys
 import termios
 import time
+import zlib
 from collections.abc import Callable, Sequence
 
 import grpc
 import numpy as np
 
 from paramserver.errors import MalformedStream, from_status
+from paramserver.transport.tcp import keep_alive
 from paramserver.v1 import ps_pb2
 from paramserver.wire.chunks import FLOAT32
-from paramserver.wire.frames import CODES, MAX_FRAME, REPLY, REQUEST, payload_bytes, recv_arrays, recv_exact, send_frame
+from paramserver.wire.frames import (
+    CODES,
+    MAX_FRAME,
+    REPLY,
+    REQUEST,
+    check_end,
+    payload_bytes,
+    recv_arrays,
+    recv_exact,
+    send_frame,
+)
 
 DRAIN_POLL_S = 0.0005  # how often `drain` asks the kernel: a fraction of a 1 MB part's time on a 10 Gbit/s link
 
@@ -76,6 +88,7 @@ class FrameClient:
         else:
             self._sock = socket.socket(socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0][0], socket.SOCK_STREAM)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keep_alive(self._sock)
             connect = lambda: self._sock.connect(address)  # noqa: E731
         try:
             self._sock.settimeout(timeout)
@@ -119,9 +132,11 @@ class FrameClient:
         body = recv_exact(self._sock, length)
         if not body:
             raise ConnectionError(f"shard {self.shard} cut a reply off")
+        crc = zlib.crc32(body, zlib.crc32(head))
         if body[0] != 0:
             if size:
                 raise ConnectionError(f"shard {self.shard} sent a payload with an error")
+            check_end(self._sock, crc)
             code = CODES.get(body[0], grpc.StatusCode.UNKNOWN)
             n = body[1] if len(body) > 1 else 0
             name = body[2 : 2 + n].decode(errors="replace")
@@ -133,6 +148,7 @@ class FrameClient:
                 f"shard {self.shard} sent {size} payload bytes for {payload_bytes(targets, dtype)} expected"
             )
         recv_arrays(self._sock, targets, dtype)
+        check_end(self._sock, crc)  # ConnectionError: out of step (the targets then hold bytes not to be used)
         return reply
 
     @property

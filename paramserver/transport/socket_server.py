@@ -8,38 +8,68 @@ frames are paramserver.wire.frames.
 
 from __future__ import annotations
 
+import functools
 import logging
+import select
 import socket
 import ssl
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
-from paramserver.errors import PermissionDenied, PSError, Status, TooLarge, status_of
+from paramserver.errors import NotAttached, PermissionDenied, PSError, Status, TooLarge, status_of
+from paramserver.transport.tcp import keep_alive
+from paramserver.v1 import ps_pb2
+from paramserver.wire.chunks import FLOAT32
 from paramserver.wire.frames import (
     EXCHANGE,
     HELLO,
+    MAX_HELLO,
     Handle,
     Payload,
     Reply,
     Verify,
     decode_message,
     error_body,
+    payload_bytes,
     read_request,
     send_reply,
 )
 
 log = logging.getLogger(__name__)
 
+# A connection has this long for all of its handshake (TLS and the hello), however its bytes trickle in.
 HANDSHAKE_TIMEOUT = 10.0
+# Once a frame has begun, it must arrive whole within FRAME_FLOOR_S plus its payload at MIN_BYTES_PER_S (a
+# 100 MB push: 110 s), and a reply must be taken by the peer in as long: a peer that stalls mid-frame (a link gone
+# without a FIN, or on purpose) loses its connection, and whatever the frame held (a scratch buffer, lent weights)
+# is released. Between frames a connection may wait as long as it likes: it holds nothing then.
+FRAME_FLOOR_S = 10.0
+MIN_BYTES_PER_S = 1 << 20
+# A payload up to this size (and the socket's receive buffer) is waited for until it is all in this host's socket
+# buffer before a scratch buffer is taken for it, so a stalled small push holds no buffer at all.
+WAIT_WHOLE_BYTES = 1 << 20
+WATCH_S = 0.1  # how often the watchdog looks for connections past their deadline
+
+
+def _shutdown(sock: socket.socket) -> None:
+    """End a connection from any thread: its reader and writer fail at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class FrameServer:
     """Serve Exchange frames on a listening socket, one thread per connected worker.
 
-    With no `listener`, an abstract Unix socket of its own (no file to clean up): the doorbell. Otherwise the
-    bound TCP socket given (the data socket), each connection wrapped in TLS when `tls` is set. `payload_limit`
-    says how many payload bytes a request may carry: a frame announcing more ends its connection.
+    With no `listener`, an abstract Unix socket of its own (no file to clean up): the doorbell, which takes hellos
+    of shared-memory attachments. Otherwise the bound TCP socket given (the data socket), which takes data-socket
+    tickets, each connection wrapped in TLS when `tls` is set. `payload_limit` says how many payload bytes a
+    request may carry: a frame announcing more ends its connection. At most `max_pending` connections may be
+    still proving themselves at once; more are closed at once and counted through `on_refused(reason)`, as are
+    handshakes that run out of time.
     """
 
     def __init__(
@@ -51,12 +81,16 @@ class FrameServer:
         listener: socket.socket | None = None,
         tls: ssl.SSLContext | None = None,
         payload_limit: Callable[[], int] = lambda: 0,
+        max_pending: int = 64,
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
         self._verify = verify
         self._handle = handle
         self._on_reject = on_reject
+        self._on_refused = on_refused
         self._tls = tls
         self._payload_limit = payload_limit
+        self._max_pending = max_pending
         if listener is None:
             self.address: str | tuple[str, int] = "\0paramserver-" + (name or uuid.uuid4().hex)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -64,18 +98,31 @@ class FrameServer:
         else:
             self.address = listener.getsockname()[:2]
         self._tcp = listener.family != socket.AF_UNIX
+        self.kind = "data_socket" if self._tcp else "shared_memory"  # the AttachRequest kind its hellos present
         self._listener = listener
         self._listener.listen(64)
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self._pending: set[socket.socket] = set()  # accepted, not yet proven
+        # Connection -> when it must be done with what it is sending or receiving (see FRAME_FLOOR_S); the
+        # watchdog ends the connections past theirs.
+        self._deadlines: dict[socket.socket, float] = {}
         self._lock = threading.Lock()
-        self._closed = False
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="doorbell-accept", daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(target=self._watch, name="doorbell-watchdog", daemon=True)
+        self._watchdog.start()
 
     @property
     def port(self) -> int:
         """The TCP port (a data socket), or 0 (a doorbell)."""
         return int(self.address[1]) if self._tcp else 0
+
+    @property
+    def pending(self) -> int:
+        """Connections accepted that have not proven themselves yet."""
+        with self._lock:
+            return len(self._pending)
 
     def _accept(self) -> None:
         while True:
@@ -84,75 +131,177 @@ class FrameServer:
             except OSError:
                 return  # closed
             with self._lock:
-                if self._closed:
+                if self._closed.is_set():
                     conn.close()
                     return
-                thread = threading.Thread(target=self._serve, args=(conn,), name="doorbell", daemon=True)
-                self._conns[conn] = thread
+                if len(self._pending) >= self._max_pending:
+                    conn.close()
+                    full = True
+                else:
+                    full = False
+                    thread = threading.Thread(target=self._serve, args=(conn,), name="doorbell", daemon=True)
+                    self._conns[conn] = thread
+                    self._pending.add(conn)
+                    self._deadlines[conn] = time.monotonic() + HANDSHAKE_TIMEOUT
+            if full:
+                waiting = len(self._pending)
+                log.warning("%s: %d connections still proving themselves: refused another", self.kind, waiting)
+                self._refused("pending_cap")
+                continue
             thread.start()
+
+    def _refused(self, reason: str) -> None:
+        if self._on_refused is not None:
+            self._on_refused(reason)
+
+    def _watch(self) -> None:
+        while not self._closed.wait(WATCH_S):
+            now = time.monotonic()
+            with self._lock:
+                late = [c for c, deadline in self._deadlines.items() if deadline < now]
+                for conn in late:
+                    del self._deadlines[conn]
+                handshakes = [c for c in late if c in self._pending]
+            for conn in late:
+                _shutdown(conn)
+            for _ in handshakes:
+                self._refused("handshake_timeout")
+            if late:
+                log.info("%s: ended %d connection(s) past their deadline", self.kind, len(late))
+
+    def _until(self, conn: socket.socket, seconds: float | None) -> None:
+        """Give `conn` until `seconds` from now to finish what it is doing (None: no deadline)."""
+        with self._lock:
+            if seconds is None:
+                self._deadlines.pop(conn, None)
+            else:
+                self._deadlines[conn] = time.monotonic() + seconds
+
+    def _replace(self, old: socket.socket, new: socket.socket) -> None:
+        """`new` (TLS) took over `old`'s descriptor: track it instead."""
+        with self._lock:
+            self._conns[new] = self._conns.pop(old)
+            if old in self._pending:
+                self._pending.discard(old)
+                self._pending.add(new)
+            if old in self._deadlines:
+                self._deadlines[new] = self._deadlines.pop(old)
 
     def _serve(self, raw: socket.socket) -> None:
         conn = raw
         try:
             if self._tcp:
                 raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # A peer that does not prove itself within HANDSHAKE_TIMEOUT (TLS handshake and hello) holds no thread.
-            raw.settimeout(HANDSHAKE_TIMEOUT)
+                keep_alive(raw)
+            raw.settimeout(HANDSHAKE_TIMEOUT)  # each wait; the watchdog bounds the whole handshake
             if self._tls is not None:
                 conn = self._tls.wrap_socket(raw, server_side=True)  # takes over raw's descriptor
-                with self._lock:
-                    self._conns[conn] = self._conns.pop(raw)  # so that close() shuts the live socket down
-            frame = read_request(conn)
-            if frame is None:
+                self._replace(raw, conn)
+            worker_id = self._hello(conn)
+            if worker_id is None:
                 return
-            if frame[2]:
-                raise ConnectionError("a hello carries no payload")
-            try:
-                hello = decode_message(HELLO, frame[1])
-                self._verify(hello)
-            except PSError as exc:
-                self._rejected("Attach (socket hello)", exc)
-                send_reply(conn, error_body(exc))
-                return
-            send_reply(conn, b"\0")
             conn.settimeout(None)  # a proven worker may wait as long as a pull may
-            worker_id = hello.worker_id
-            while (frame := read_request(conn)) is not None:
-                timeout, message, size = frame
-                limit = self._payload_limit()
-                if size > limit:
-                    big = TooLarge(f"a payload of {size} bytes is over this shard's {limit} (its part of the model)")
-                    self._rejected("Exchange (socket)", big)
-                    send_reply(conn, error_body(big))
-                    return  # the rest of the stream cannot be trusted to be in step
-                payload = Payload(conn, size)
-                body, reply = self._answer(worker_id, message, timeout, payload)
-                try:
-                    payload.finish()
-                    if reply is None:
-                        send_reply(conn, body)
-                    else:
-                        send_reply(conn, body, reply.arrays, reply.dtype)
-                finally:
-                    if reply is not None and reply.release is not None:
-                        reply.release()
+            ready = select.poll()
+            ready.register(conn, select.POLLIN)
+            while True:
+                if not (isinstance(conn, ssl.SSLSocket) and conn.pending()):
+                    ready.poll()  # between frames: no deadline, nothing held
+                self._until(conn, FRAME_FLOOR_S)
+                frame = read_request(conn)
+                if frame is None:
+                    return
+                self._frame(conn, worker_id, *frame)
         except (OSError, ConnectionError, ssl.SSLError) as exc:
             log.debug("doorbell connection ended: %s", exc)
         finally:
             with self._lock:
-                self._conns.pop(conn, None)
-                self._conns.pop(raw, None)
+                for c in (conn, raw):
+                    self._conns.pop(c, None)
+                    self._pending.discard(c)
+                    self._deadlines.pop(c, None)
             conn.close()
+
+    @staticmethod
+    def _receive_buffer(conn: socket.socket) -> int:
+        """The kernel's receive buffer of a connection (Linux reports twice what it grants user data)."""
+        try:
+            return int(conn.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
+        except OSError:
+            return 0
+
+    def _hello(self, conn: socket.socket) -> str | None:
+        """Read and check a connection's hello; the worker it speaks for, or None (refused, or no hello)."""
+        frame = read_request(conn, MAX_HELLO)
+        if frame is None:
+            return None
+        _, body, payload = frame
+        if payload.size:
+            raise ConnectionError("a hello carries no payload")
+        try:
+            hello = decode_message(HELLO, body)  # garbage ends the connection at once
+        except PSError as exc:  # a field past its bound: answered, once the frame's end is in
+            payload.finish()
+            self._rejected("Attach (socket hello)", exc)
+            send_reply(conn, error_body(exc))
+            return None
+        payload.finish()
+        try:
+            kind = hello.WhichOneof("kind")
+            if kind != self.kind:
+                raise NotAttached(
+                    f"this socket takes {self.kind.replace('_', ' ')} attachments, not {str(kind).replace('_', ' ')}"
+                )
+            self._verify(hello, functools.partial(_shutdown, conn))
+        except PSError as exc:
+            self._rejected("Attach (socket hello)", exc)
+            send_reply(conn, error_body(exc))
+            return None
+        with self._lock:
+            self._pending.discard(conn)
+            self._deadlines.pop(conn, None)
+        send_reply(conn, b"\0")
+        return str(hello.worker_id)
+
+    def _frame(self, conn: socket.socket, worker_id: str, timeout: float, message: bytes, payload: Payload) -> None:
+        """Answer one request frame (its head read; its payload and end still to come)."""
+        limit = self._payload_limit()
+        if payload.size > limit:
+            big = TooLarge(f"a payload of {payload.size} bytes is over this shard's {limit} (its part of the model)")
+            self._rejected("Exchange (socket)", big)
+            send_reply(conn, error_body(big))
+            raise ConnectionError("payload over the limit")  # the rest of the stream cannot be trusted
+        self._until(conn, FRAME_FLOOR_S + payload.size / MIN_BYTES_PER_S)
+        payload.arrival = (FRAME_FLOOR_S, min(WAIT_WHOLE_BYTES, self._receive_buffer(conn) // 2))
+        payload.on_end = functools.partial(self._until, conn, None)  # a pull may then wait as long as it must
+        try:
+            request: ps_pb2.ExchangeRequest | PSError = decode_message(EXCHANGE, message)  # garbage ends it now
+        except PSError as exc:  # a field past its bound: answered
+            request = exc
+        if not payload.size:
+            payload.finish()  # the end of a frame without payload is checked before the frame is acted on
+        body, reply = self._answer(worker_id, request, timeout, payload)
+        try:
+            payload.finish()
+            arrays, dtype = (reply.arrays, reply.dtype) if reply is not None else ((), FLOAT32)
+            self._until(conn, FRAME_FLOOR_S + payload_bytes(arrays, dtype) / MIN_BYTES_PER_S)
+            send_reply(conn, body, arrays, dtype)
+            self._until(conn, None)
+        finally:
+            if reply is not None and reply.release is not None:
+                reply.release()
 
     def _rejected(self, what: str, exc: PSError) -> None:
         log.info("%s rejected: %s: %s", what, exc.code.name, exc)
         if self._on_reject is not None:
             self._on_reject(exc)
 
-    def _answer(self, worker_id: str, body: bytes, timeout: float, payload: Payload) -> tuple[bytes, Reply | None]:
+    def _answer(
+        self, worker_id: str, request: ps_pb2.ExchangeRequest | PSError, timeout: float, payload: Payload
+    ) -> tuple[bytes, Reply | None]:
         what = "Exchange (socket)"
         try:
-            request = decode_message(EXCHANGE, body)
+            if isinstance(request, PSError):
+                raise request
             if request.worker_id != worker_id:
                 raise PermissionDenied(f"this connection speaks for worker {worker_id!r} only")
             reply = self._handle(request, timeout, payload)  # the handler clamps timeout to the pull_timeout
@@ -174,7 +323,7 @@ class FrameServer:
         """Stop accepting, end every connection (their workers re-attach or fall back to gRPC), and wait up to
         `grace` seconds for the Exchanges in flight to finish."""
         with self._lock:
-            self._closed = True
+            self._closed.set()
             conns = dict(self._conns)
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread (close alone does not on Linux)

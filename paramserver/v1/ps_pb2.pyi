@@ -39,12 +39,14 @@ class Bound(_message.Message):
     def __init__(self) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "shape")
+    __slots__ = ("name", "shape", "buffer")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    buffer: bool
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., buffer: _Optional[bool] = ...) -> None: ...
 
 class Piece(_message.Message):
     __slots__ = ("name", "start", "length")

@@ -7,11 +7,18 @@ request as raw bytes and the weights follow the reply, each received with `recv_
 
 Frames, little-endian:
 
-    request:  u32 message length, f64 timeout in seconds, u64 payload length, the message, the payload
+    request:  u32 message length, f64 timeout in seconds, u64 payload length, the message, the payload, the end
               (an AttachRequest first, with no payload; then ExchangeRequests)
-    reply:    u32 body length, u64 payload length, the body, the payload; the body is u8 status (0: OK, else a
-              grpc.StatusCode value), then the ExchangeResponse on OK, or u8 length + error type name + UTF-8
-              message
+    reply:    u32 body length, u64 payload length, the body, the payload, the end; the body is u8 status (0: OK,
+              else a grpc.StatusCode value), then the ExchangeResponse on OK, or u8 length + error type name +
+              UTF-8 message
+    end:      the 4 bytes "PSFE", then u32 CRC-32 (zlib's) of the frame's header and message (or body)
+
+The end marker is checked before a frame is acted on (after the payload, before a pushed gradient applies), so a
+stream out of step (a frame cut short, two interleaved, a payload of another length than announced) is refused,
+never applied: the chance that payload bytes read as a marker whose checksum matches is 2^-64. The payload itself
+has no checksum of its own (TCP's, and TLS's MAC where TLS is on, cover it): a CRC over a 100 MB payload would
+cost more than the exchange.
 
 A payload is the shard's pieces back to back (see Placement), in the dtype the ExchangeRequest names: the gradient
 on a push, the weights on a pull's reply. A shard refuses a payload of the wrong size (and reads it to the end, so
@@ -22,9 +29,15 @@ goes on.
 
 from __future__ import annotations
 
+import fcntl
+import select
 import socket
 import ssl
 import struct
+import sys
+import termios
+import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +52,12 @@ from paramserver.wire.chunks import CHUNK_BYTES, FLOAT32, decode_into, itemsize,
 
 REQUEST = struct.Struct("<IdQ")
 REPLY = struct.Struct("<IQ")
+END = struct.Struct("<4sI")
+END_MARK = b"PSFE"
 MAX_FRAME = 1 << 20  # control messages only: tensor bytes travel as payloads (or through the segment)
+# A hello is an AttachRequest, a few hundred bytes within its bounds: a frame announcing more is not one.
+MAX_HELLO = 4096
+_GROW = 64 * 1024  # a message is read in steps of this much: memory follows what arrived, not what was announced
 _SEND_CHUNK = 8 << 20  # float32 payloads go out as views of this many bytes (the GIL is released meanwhile)
 CODES = {c.value[0]: c for c in grpc.StatusCode}
 _MAX_PARTS = 512  # buffers per sendmsg(), well under the system's IOV_MAX (1024 on Linux)
@@ -59,8 +77,34 @@ def recv_into(sock: socket.socket, view: memoryview) -> bool:
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray(n)
-    return bytes(buf) if recv_into(sock, memoryview(buf)) else None  # n == 0: an empty read succeeds
+    """Read exactly n bytes (None: a clean end of stream before the first), growing the buffer as they arrive."""
+    if n <= _GROW:
+        buf = bytearray(n)
+        return bytes(buf) if recv_into(sock, memoryview(buf)) else None  # n == 0: an empty read succeeds
+    out = bytearray()
+    while len(out) < n:
+        part = sock.recv(min(_GROW, n - len(out)))
+        if not part:
+            if not out:
+                return None
+            raise ConnectionError("frame cut off")
+        out += part
+    return bytes(out)
+
+
+def end_of(head: bytes | memoryview) -> bytes:
+    """The end marker of a frame whose header and message (or body) are `head`."""
+    return END.pack(END_MARK, zlib.crc32(head))
+
+
+def check_end(sock: socket.socket, crc: int) -> None:
+    """Read a frame's end marker; ConnectionError unless it is there with the checksum of the frame's head."""
+    end = recv_exact(sock, END.size)
+    if end is None:
+        raise ConnectionError("frame cut off before its end marker")
+    mark, got = END.unpack(end)
+    if mark != END_MARK or got != crc:
+        raise ConnectionError("a frame's end marker does not match: the stream is out of step")
 
 
 def payload_bytes(arrays: Sequence[np.ndarray], dtype: int) -> int:
@@ -69,14 +113,16 @@ def payload_bytes(arrays: Sequence[np.ndarray], dtype: int) -> int:
 
 
 def send_frame(sock: socket.socket, head: bytes, arrays: Sequence[np.ndarray] = (), dtype: int = FLOAT32) -> None:
-    """Send a frame: its header and message (`head`), then `arrays` as its payload in `dtype`. A payload of at most
-    1 MiB goes out in the same system call as the head (scatter-gather, no copy), so the peer wakes once per
-    frame, not twice; a larger one follows it (`send_arrays`)."""
+    """Send a frame: its header and message (`head`), then `arrays` as its payload in `dtype`, then its end. A
+    payload of at most 1 MiB goes out in the same system call as the head (scatter-gather, no copy), so the peer
+    wakes once per frame, not twice; a larger one follows it (`send_arrays`)."""
+    end = end_of(head)
     if payload_bytes(arrays, dtype) > CHUNK_BYTES:
         sock.sendall(head)
         send_arrays(sock, arrays, dtype)
+        sock.sendall(end)
         return
-    parts = [memoryview(head), *(data for _, _, data in iter_chunks(arrays, dtype, CHUNK_BYTES))]
+    parts = [memoryview(head), *(data for _, _, data in iter_chunks(arrays, dtype, CHUNK_BYTES)), memoryview(end)]
     if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS: one record stream, one copy of a small frame
         sock.sendall(b"".join(parts))
         return
@@ -125,15 +171,55 @@ def _discard(sock: socket.socket, n: int) -> None:
 
 
 class Payload:
-    """The bytes that follow a request frame, read by the handler into its own arrays (once, whole)."""
+    """The bytes that follow a request frame, read by the handler into its own arrays (once, whole), and the
+    frame's end marker after them. `crc`: the checksum of the frame's header and message. `on_end` is called once
+    the end has been read and checked."""
 
-    def __init__(self, sock: socket.socket, size: int) -> None:
+    def __init__(self, sock: socket.socket, size: int, crc: int) -> None:
         self._sock = sock
         self.size = size
+        self._crc = crc
         self._read = False
+        self.on_end: Callable[[], object] | None = None
+        # (seconds, bytes): `wait_arrival` waits up to that long for a payload up to that size; (0, 0): never.
+        self.arrival: tuple[float, int] = (0.0, 0)
+
+    def _ended(self) -> None:
+        check_end(self._sock, self._crc)
+        if self.on_end is not None:
+            self.on_end()
+
+    def wait_arrival(self) -> None:
+        """Wait until a payload of at most `arrival[1]` bytes is all in this host's socket buffer, so that whoever
+        receives it next holds nothing (a scratch buffer) while a slow or stalled peer sends it; ConnectionError
+        after `arrival[0]` seconds. A larger payload cannot sit in the buffer whole: it is not waited for."""
+        limit, up_to = self.arrival
+        if self.size + END.size > up_to or self._read:
+            return
+        deadline = time.monotonic() + limit
+        waiting = bytearray(4)
+        hangup = select.poll()  # tells, without waiting, whether the peer has stopped sending
+        hangup.register(self._sock, select.POLLRDHUP)
+        nap = 0.0005
+        while True:
+            fcntl.ioctl(self._sock.fileno(), termios.FIONREAD, waiting)
+            pending = self._sock.pending() if isinstance(self._sock, ssl.SSLSocket) else 0
+            if int.from_bytes(waiting, sys.byteorder) + pending >= self.size + END.size:
+                return
+            if hangup.poll(0):
+                raise ConnectionError(f"the peer stopped sending in a payload of {self.size} bytes")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConnectionError(f"a payload of {self.size} bytes did not arrive within {limit:.0f} s")
+            # Not woken by data (a trickle would wake it at every byte): a payload that comes at once is in
+            # within the first naps; one that trickles is looked at every 50 ms.
+            time.sleep(min(nap, left))
+            nap = min(2 * nap, 0.05)
 
     def read_into(self, targets: Sequence[np.ndarray], dtype: int) -> None:
-        """Receive the payload into float32 targets; MalformedStream (nothing read) unless it is their size."""
+        """Receive the payload into float32 targets and check the frame's end; MalformedStream (nothing read)
+        unless the payload is their size, ConnectionError if the end does not match (the stream is out of step:
+        the targets then hold bytes that must not be used)."""
         expected = payload_bytes(targets, dtype)
         if self.size != expected:
             raise MalformedStream(
@@ -142,12 +228,16 @@ class Payload:
             )
         self._read = True
         recv_arrays(self._sock, targets, dtype)
+        self._ended()
 
     def finish(self) -> None:
-        """Read and drop whatever the handler did not take, so the next frame starts in step."""
-        if not self._read and self.size:
+        """Read and drop whatever the handler did not take, and the frame's end, so the next frame starts in
+        step (ConnectionError if it does not)."""
+        if not self._read:
             self._read = True
-            _discard(self._sock, self.size)
+            if self.size:
+                _discard(self._sock, self.size)
+            self._ended()
 
 
 @dataclass
@@ -160,8 +250,9 @@ class Reply:
     release: Callable[[], object] | None = None  # called once the arrays are sent (or the send failed)
 
 
-# What a shard does with the frames: check a hello; answer an Exchange (raising PSError to refuse it).
-Verify = Callable[[ps_pb2.AttachRequest], None]
+# What a shard does with the frames: check a hello, given what closes its connection (when the worker's
+# attachment ends); answer an Exchange (raising PSError to refuse it).
+Verify = Callable[[ps_pb2.AttachRequest, Callable[[], None]], None]
 Handle = Callable[[ps_pb2.ExchangeRequest, float, Payload], Reply]
 
 
@@ -179,18 +270,21 @@ HELLO = bounds.decoder(ps_pb2.AttachRequest, "Attach (socket hello)")
 EXCHANGE = bounds.decoder(ps_pb2.ExchangeRequest, "Exchange (socket)")
 
 
-def read_request(conn: socket.socket) -> tuple[float, bytes, int] | None:
-    """(timeout, message bytes, payload length) of the next request frame, or None at a clean end of stream."""
+def read_request(conn: socket.socket, limit: int = MAX_FRAME) -> tuple[float, bytes, Payload] | None:
+    """(timeout, message bytes, the payload to follow) of the next request frame, or None at a clean end of
+    stream. A message over `limit` bytes ends the connection (ConnectionError). The frame's end is read and
+    checked by the payload (`Payload.read_into` or `finish`): call `finish` before acting on a frame that has no
+    payload."""
     head = recv_exact(conn, REQUEST.size)
     if head is None:
         return None
-    length, timeout, payload = REQUEST.unpack(head)
-    if length > MAX_FRAME:
-        raise ConnectionError(f"frame of {length} bytes is over the limit of {MAX_FRAME}")
+    length, timeout, size = REQUEST.unpack(head)
+    if length > limit:
+        raise ConnectionError(f"frame of {length} bytes is over the limit of {limit}")
     body = recv_exact(conn, length)
     if body is None:
         raise ConnectionError("frame cut off")
-    return timeout, body, payload
+    return timeout, body, Payload(conn, size, zlib.crc32(body, zlib.crc32(head)))
 
 
 def decode_message(decode: Callable[[bytes], Any], body: bytes) -> Any:

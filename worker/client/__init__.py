@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from worker.client.binding import TensorDict
 from worker.client.psclient import INLINE_BYTES, PSClient, Tensors
 
-__all__ = ["INLINE_BYTES", "PSClient", "Tensors"]
+__all__ = ["INLINE_BYTES", "PSClient", "TensorDict", "Tensors"]

@@ -1,14 +1,31 @@
-"""How one model's tensors map onto the shards' pieces: views into the model's own memory, per shard."""
+"""How one model's tensors map onto the shards' pieces: views into the model's own memory, per shard.
+
+A model's tensors are its parameters, then its buffers (the persistent ones, those its state_dict holds: BatchNorm's
+running statistics...). A parameter pushes its gradient; a buffer pushes its current value, and pulls the value the
+shards hold. Buffers always travel through a float32 host mirror: an integer buffer (num_batches_tracked) is cast
+on the way out and rounded back on the way in (exact up to 2^24), and the exchange never writes into a buffer the
+model may be using until it has completed.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from paramserver.placement import Placement
+
+
+class TensorDict(dict[str, torch.Tensor]):
+    """A mapping of name -> tensor that names which of its entries are buffers (sent as their values, not as
+    gradients): a module's tensors as a mapping, e.g. for worker.overlap. A plain mapping holds parameters only."""
+
+    def __init__(self, items: Iterable[tuple[str, torch.Tensor]] = (), buffers: Iterable[str] = ()) -> None:
+        super().__init__(items)
+        self.buffers = frozenset(buffers)
+
 
 Tensors = torch.nn.Module | Mapping[str, torch.Tensor]
 
@@ -20,10 +37,11 @@ class Binding:
     names: list[str]
     tensors: list[torch.Tensor]
     placement: Placement
-    host: list[torch.Tensor | None]  # a CPU float32 mirror for tensors that are not CPU-contiguous
+    host: list[torch.Tensor | None]  # a CPU float32 mirror for buffers and tensors that are not CPU-contiguous
     largest_part: int = 0  # elements of the largest shard's part
 
     def __post_init__(self) -> None:
+        self.buffer = [s.buffer for s in self.placement.specs]
         self.largest_part = max(self.placement.shard_elements(k) for k in range(self.placement.num_shards))
         self._index = {n: i for i, n in enumerate(self.names)}
         self._copying: torch.cuda.Event | None = None  # the last host-to-device copy out of the mirrors
@@ -80,19 +98,23 @@ class Binding:
         with torch.no_grad():
             for t, mirror in zip(self.tensors, self.host, strict=True):
                 if mirror is not None:
-                    t.copy_(mirror.view(t.shape).to(t.device, non_blocking=True))
+                    pulled = mirror.view(t.shape)
+                    if not t.is_floating_point():
+                        pulled = pulled.round()  # an integer buffer: the mean of counts need not be whole
+                    t.copy_(pulled.to(t.device, non_blocking=True))
                     to_gpu = to_gpu or t.device.type == "cuda"
         if to_gpu:
             self._copying = torch.cuda.Event()
             self._copying.record()
 
     def gradients(self, of_module: bool) -> list[np.ndarray]:
-        """Flat float32 host views of each tensor's gradient (the tensors themselves for a mapping), through the
-        host mirror where the gradient is not a contiguous CPU tensor."""
+        """Flat float32 host views of each parameter's gradient (the tensors themselves for a mapping) and each
+        buffer's value, through the host mirror where that is not a contiguous CPU float32 tensor (a buffer's
+        always: a copy of its value now)."""
         self.settle()
         grads: list[np.ndarray] = []
         for i, t in enumerate(self.tensors):
-            g = t.grad if of_module else t
+            g = t.grad if of_module and not self.buffer[i] else t
             if g is None:
                 g = torch.zeros_like(t)
             mirror = self.host[i]
@@ -106,20 +128,40 @@ class Binding:
         return grads
 
 
-def tensors_of(obj: Tensors) -> tuple[list[str], list[torch.Tensor]]:
-    """The named float32 tensors of a module (its parameters) or of a mapping; TypeError/ValueError otherwise."""
+def buffers_of(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's persistent buffers (those its state_dict holds), named and in named_buffers() order."""
+    # Non-persistent buffers (masks, caches a module rebuilds) are not state: they stay with each worker.
+    transient = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, sub in module.named_modules()
+        for name in getattr(sub, "_non_persistent_buffers_set", ())
+    }
+    return [(n, b) for n, b in module.named_buffers() if n not in transient]
+
+
+def tensors_of(obj: Tensors) -> tuple[list[str], list[torch.Tensor], list[bool]]:
+    """The named tensors of a module (its parameters, then its persistent buffers) or of a mapping (a TensorDict's
+    `buffers` are buffers), and which are buffers. Parameters must be float32, buffers of a real dtype (held as
+    float32 by the shards); TypeError/ValueError otherwise."""
     items: list[tuple[str, torch.Tensor]]
     if isinstance(obj, torch.nn.Module):
-        items = list(obj.named_parameters())
+        params = list(obj.named_parameters())
+        items = params + buffers_of(obj)
+        buffer = [i >= len(params) for i in range(len(items))]
     elif isinstance(obj, Mapping):
         items = list(obj.items())
+        marked = obj.buffers if isinstance(obj, TensorDict) else frozenset()
+        buffer = [name in marked for name, _ in items]
     else:
         raise TypeError(f"expected an nn.Module or a mapping of name -> tensor, not {type(obj).__name__}")
     if not items:
         raise ValueError("the model has no parameters")
-    for name, t in items:
+    for (name, t), is_buffer in zip(items, buffer, strict=True):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} is a {type(t).__name__}, not a tensor")
-        if t.dtype != torch.float32:
+        if is_buffer:
+            if t.is_complex():
+                raise TypeError(f"buffer {name} is {t.dtype}; the parameter server holds real values")
+        elif t.dtype != torch.float32:
             raise TypeError(f"{name} is {t.dtype}; the parameter server holds float32 tensors")
-    return [n for n, _ in items], [t for _, t in items]
+    return [n for n, _ in items], [t for _, t in items], buffer

@@ -162,7 +162,7 @@ class ShardLink:
         k = self.index
         header = ps_pb2.InitHeader(
             worker_id=self._session.worker_id,
-            specs=[ps_pb2.TensorSpec(name=s.name, shape=s.shape) for s in b.placement.specs],
+            specs=[ps_pb2.TensorSpec(name=s.name, shape=s.shape, buffer=s.buffer) for s in b.placement.specs],
             num_shards=b.placement.num_shards,
             model_digest=b.digest,
             dtype=ps_pb2.FLOAT32,
@@ -212,7 +212,9 @@ class ShardLink:
         def finish() -> int:
             reply = answer()
             if pushed:
-                self._min_next = base + 1
+                # A push taken now is in version base + 1 or later; a retry of one taken before, in the version
+                # the shard names.
+                self._min_next = base + 1 if reply.applied else int(reply.version)
             if not pulled:
                 return int(reply.version)
             self._check_digest(b, reply.pulled)

@@ -2,8 +2,9 @@
 
 Each call fans out to every shard's `ShardLink` at once; a link picks its transport (shared memory on this host,
 the data socket on another, gRPC as the last resort: see worker.client.transports). Weights are written straight
-into the model's own CPU tensors, and gradients are read straight from them; CUDA tensors go through a host
-mirror.
+into the model's own CPU tensors, and gradients are read straight from them; CUDA tensors and buffers go through a
+host mirror. A module's tensors are its parameters, then its persistent buffers (BatchNorm's running statistics),
+which push their values and pull the job's (see worker.client.binding).
 """
 
 from __future__ import annotations
@@ -134,9 +135,10 @@ class PSClient:
 
     `with PSClient("host:50051") as client:` joins the job (a rank for data sharding) and leaves on exit.
     `register(model)` initialises the servers from the model or adopts what they hold; `pull(model)` copies the
-    current weights into it in place; `push(model)` sends every parameter's `.grad`; `push_pull(model)` does both
-    in one exchange per shard (what a training step needs). Also works on a plain mapping of name -> float32
-    tensor (push then sends the tensors themselves as the gradient).
+    current weights (and buffers) into it in place; `push(model)` sends every parameter's `.grad` and every
+    buffer's value; `push_pull(model)` does both in one exchange per shard (what a training step needs). Also works
+    on a plain mapping of name -> float32 tensor (push then sends the tensors themselves as the gradient; a
+    `TensorDict` names which entries are buffers).
 
     Shards on this host exchange tensors through shared memory (`shared_memory=False` turns that off); others
     through their data socket, raw bytes over TCP (`data_socket=False` turns that off); the rest through gRPC:
@@ -304,17 +306,22 @@ class PSClient:
     # -- the model ---------------------------------------------------------------------------------------------
 
     def _bind(self, obj: Tensors) -> Binding:
-        names, tensors = tensors_of(obj)
+        names, tensors, buffer = tensors_of(obj)
         b = self._bindings.get(id(obj))
-        if b is not None and b.names == names and all(x is y for x, y in zip(b.tensors, tensors, strict=True)):
+        if (
+            b is not None
+            and b.names == names
+            and b.buffer == buffer
+            and all(x is y for x, y in zip(b.tensors, tensors, strict=True))
+        ):
             return b
-        specs = [TensorSpec(n, tuple(t.shape)) for n, t in zip(names, tensors, strict=True)]
+        specs = [TensorSpec(n, tuple(t.shape), is_b) for n, t, is_b in zip(names, tensors, buffer, strict=True)]
         placement = place(specs, len(self.links), int(self.topology.slice_elements) or SLICE_ELEMENTS)
         host = [
             None
-            if (t.device.type == "cpu" and t.is_contiguous())
+            if (t.device.type == "cpu" and t.is_contiguous() and not is_b)
             else torch.empty(t.numel(), dtype=torch.float32, pin_memory=t.device.type == "cuda")
-            for t in tensors
+            for t, is_b in zip(tensors, buffer, strict=True)
         ]
         b = Binding(names, tensors, placement, host)
         self._bindings[id(obj)] = b
@@ -343,7 +350,8 @@ class PSClient:
         return self._exchange(self._bind(obj), grads=None, step=0, pull=True)
 
     def push(self, obj: Tensors, step: int | None = None) -> int:
-        """Send the gradient (each parameter's .grad; a mapping's tensors themselves) to every shard.
+        """Send the gradient (each parameter's .grad and each buffer's value; a mapping's tensors themselves) to every
+        shard.
 
         Returns the lowest shard version after the push. `step` identifies the push for exactly-once delivery
         (default: this client's own counter).

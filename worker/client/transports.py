@@ -198,8 +198,10 @@ class Grpc(Transport):
             pushed = self.raw.push(messages(), timeout=job.timeout)
             reply.version, reply.applied = pushed.version, pushed.applied
         if job.flats is not None:
+            # A retry of a push taken before is answered with the version that includes it (maybe older).
+            wait_for = req.min_version if reply.applied or job.grads is None else min(req.min_version, reply.version)
             pull = ps_pb2.PullRequest(
-                worker_id=req.worker_id, min_version=req.min_version, dtype=req.dtype, incarnation=req.incarnation
+                worker_id=req.worker_id, min_version=wait_for, dtype=req.dtype, incarnation=req.incarnation
             )
             stream = self.raw.pull(pull, timeout=job.timeout)
             first = codec.decode(next(stream), ps_pb2.PullMessage)

@@ -3,10 +3,10 @@
     .venv/bin/python protos/paramserver/v1/make_vectors.py          # rewrite vectors.json beside this file
     .venv/bin/python protos/paramserver/v1/make_vectors.py --check  # exit 1 if vectors.json is not current
 
-Each case gives a model (`specs`), `num_shards` and `slice_elements`, and what every implementation must compute
-from them: each shard's ordered pieces (`shards`), each shard's element count (`shard_elements`) and the model
-digest (`digest`). tests/test_contract.py checks that the file is current; clients/js/check_vectors.js checks the
-JavaScript client against it.
+Each case gives a model (`specs`, each `{name, shape}`, with `"buffer": true` for a buffer), `num_shards` and
+`slice_elements`, and what every implementation must compute from them: each shard's ordered pieces (`shards`),
+each shard's element count (`shard_elements`) and the model digest (`digest`). tests/test_contract.py checks that
+the file is current; clients/js/check_vectors.js checks the JavaScript client against it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,23 @@ DIGITS_CNN: list[tuple[str, tuple[int, ...]]] = [
 JS_MODEL: list[tuple[str, tuple[int, ...]]] = [("w", (8, 1)), ("b", (1,))]
 JS_BIG: tuple[str, tuple[int, ...]] = ('emb.é"\\😀', (1_100_000,))
 
-# (case, specs, num_shards, slice_elements)
-Case = tuple[str, list[tuple[str, tuple[int, ...]]], int, int]
+# A spec is (name, shape) for a parameter, (name, shape, True) for a buffer; a case (case, specs, num_shards,
+# slice_elements).
+Spec = tuple[str, tuple[int, ...]] | tuple[str, tuple[int, ...], bool]
+Case = tuple[str, Sequence[Spec], int, int]
+
+# A BatchNorm MLP as PSClient registers a module: its parameters, then its buffers (a trailing True marks one).
+BN_MLP: list[Spec] = [
+    ("fc1.weight", (32, 64)),
+    ("fc1.bias", (32,)),
+    ("bn.weight", (32,)),
+    ("bn.bias", (32,)),
+    ("fc2.weight", (10, 32)),
+    ("fc2.bias", (10,)),
+    ("bn.running_mean", (32,), True),
+    ("bn.running_var", (32,), True),
+    ("bn.num_batches_tracked", (), True),
+]
 
 CASES: list[Case] = [
     ("one shard: nothing is sliced, whatever its size", [("a", (3, 4)), ("b", (4,)), ("c", ())], 1, 10),
@@ -110,16 +126,29 @@ CASES: list[Case] = [
     ),
     ("the model of clients/js/train.js", JS_MODEL, 2, SLICE_ELEMENTS),
     ("the model of clients/js/train.js --big", [*JS_MODEL, JS_BIG], 2, SLICE_ELEMENTS),
+    (
+        "buffers are placed like parameters and named in the digest; sliced, scalar and interleaved ones too",
+        [("w", (4,)), ("stats", (12,), True), ("b", (2,)), ("count", (), True)],
+        3,
+        10,
+    ),
+    (
+        "a BatchNorm MLP: its parameters, then its buffers (so they come last on the shards that hold them)",
+        BN_MLP,
+        2,
+        SLICE_ELEMENTS,
+    ),
 ]
 
 
-def compute(name: str, model: list[tuple[str, tuple[int, ...]]], num_shards: int, slice_elements: int) -> dict:
+def compute(name: str, model: Sequence[Spec], num_shards: int, slice_elements: int) -> dict:
     """One vector: the inputs and what paramserver.placement computes from them."""
-    specs = [TensorSpec(n, tuple(shape)) for n, shape in model]
+    specs = [TensorSpec(entry[0], tuple(entry[1]), len(entry) > 2 and entry[2]) for entry in model]
     placement = place(specs, num_shards, slice_elements)
     return {
         "case": name,
-        "specs": [{"name": s.name, "shape": list(s.shape)} for s in specs],
+        # "buffer" only where true, so the parameter-only cases read as before
+        "specs": [{"name": s.name, "shape": list(s.shape)} | ({"buffer": True} if s.buffer else {}) for s in specs],
         "num_shards": num_shards,
         "slice_elements": slice_elements,
         "shards": [
