@@ -24,6 +24,8 @@ from paramserver.v1 import ps_pb2
 from paramserver.wire.chunks import FLOAT32
 from paramserver.wire.frames import (
     CODES,
+    END,
+    END_MARK,
     MAX_FRAME,
     REPLY,
     REQUEST,
@@ -129,14 +131,17 @@ class FrameClient:
         length, size = REPLY.unpack(head)
         if length > MAX_FRAME:
             raise ConnectionError(f"reply frame of {length} bytes from shard {self.shard}")
-        body = recv_exact(self._sock, length)
-        if not body:
+        # With no payload the end follows the body at once (one system call sent both): read them together.
+        whole = recv_exact(self._sock, length + (0 if size else END.size))
+        if not whole or len(whole) < (0 if size else END.size) + 1:
             raise ConnectionError(f"shard {self.shard} cut a reply off")
+        body = whole[:length]
         crc = zlib.crc32(body, zlib.crc32(head))
+        if not size and whole[length:] != END.pack(END_MARK, crc):
+            raise ConnectionError(f"a reply's end marker from shard {self.shard} does not match: out of step")
         if body[0] != 0:
             if size:
                 raise ConnectionError(f"shard {self.shard} sent a payload with an error")
-            check_end(self._sock, crc)
             code = CODES.get(body[0], grpc.StatusCode.UNKNOWN)
             n = body[1] if len(body) > 1 else 0
             name = body[2 : 2 + n].decode(errors="replace")
@@ -148,7 +153,8 @@ class FrameClient:
                 f"shard {self.shard} sent {size} payload bytes for {payload_bytes(targets, dtype)} expected"
             )
         recv_arrays(self._sock, targets, dtype)
-        check_end(self._sock, crc)  # ConnectionError: out of step (the targets then hold bytes not to be used)
+        if size:
+            check_end(self._sock, crc)  # ConnectionError: out of step (the targets then hold bytes not to be used)
         return reply
 
     @property

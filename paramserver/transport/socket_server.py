@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import select
 import socket
 import ssl
 import threading
@@ -21,7 +20,6 @@ from collections.abc import Callable
 from paramserver.errors import NotAttached, PermissionDenied, PSError, Status, TooLarge, status_of
 from paramserver.transport.tcp import keep_alive
 from paramserver.v1 import ps_pb2
-from paramserver.wire.chunks import FLOAT32
 from paramserver.wire.frames import (
     EXCHANGE,
     HELLO,
@@ -201,16 +199,11 @@ class FrameServer:
             if worker_id is None:
                 return
             conn.settimeout(None)  # a proven worker may wait as long as a pull may
-            ready = select.poll()
-            ready.register(conn, select.POLLIN)
-            while True:
-                if not (isinstance(conn, ssl.SSLSocket) and conn.pending()):
-                    ready.poll()  # between frames: no deadline, nothing held
-                self._until(conn, FRAME_FLOOR_S)
-                frame = read_request(conn)
-                if frame is None:
-                    return
-                self._frame(conn, worker_id, *frame)
+            begun = functools.partial(self._until, conn, FRAME_FLOOR_S)
+            unwatch = functools.partial(self._until, conn, None)
+            # Between frames: no deadline (nothing is held); once a frame's header is in, the rest has one.
+            while (frame := read_request(conn, on_head=begun)) is not None:
+                self._frame(conn, worker_id, *frame, unwatch)
         except (OSError, ConnectionError, ssl.SSLError) as exc:
             log.debug("doorbell connection ended: %s", exc)
         finally:
@@ -262,17 +255,29 @@ class FrameServer:
         send_reply(conn, b"\0")
         return str(hello.worker_id)
 
-    def _frame(self, conn: socket.socket, worker_id: str, timeout: float, message: bytes, payload: Payload) -> None:
-        """Answer one request frame (its head read; its payload and end still to come)."""
-        limit = self._payload_limit()
-        if payload.size > limit:
-            big = TooLarge(f"a payload of {payload.size} bytes is over this shard's {limit} (its part of the model)")
-            self._rejected("Exchange (socket)", big)
-            send_reply(conn, error_body(big))
-            raise ConnectionError("payload over the limit")  # the rest of the stream cannot be trusted
-        self._until(conn, FRAME_FLOOR_S + payload.size / MIN_BYTES_PER_S)
-        payload.arrival = (FRAME_FLOOR_S, min(WAIT_WHOLE_BYTES, self._receive_buffer(conn) // 2))
-        payload.on_end = functools.partial(self._until, conn, None)  # a pull may then wait as long as it must
+    def _frame(
+        self,
+        conn: socket.socket,
+        worker_id: str,
+        timeout: float,
+        message: bytes,
+        payload: Payload,
+        unwatch: Callable[[], None],
+    ) -> None:
+        """Answer one request frame (its head read, its deadline set; its payload and end still to come)."""
+        if payload.size:
+            limit = self._payload_limit()
+            if payload.size > limit:
+                big = TooLarge(
+                    f"a payload of {payload.size} bytes is over this shard's {limit} (its part of the model)"
+                )
+                self._rejected("Exchange (socket)", big)
+                send_reply(conn, error_body(big))
+                raise ConnectionError("payload over the limit")  # the rest of the stream cannot be trusted
+            self._until(conn, FRAME_FLOOR_S + payload.size / MIN_BYTES_PER_S)
+            if payload.size <= WAIT_WHOLE_BYTES:
+                payload.arrival = (FRAME_FLOOR_S, min(WAIT_WHOLE_BYTES, self._receive_buffer(conn) // 2))
+        payload.on_end = unwatch  # a pull may then wait as long as it must
         try:
             request: ps_pb2.ExchangeRequest | PSError = decode_message(EXCHANGE, message)  # garbage ends it now
         except PSError as exc:  # a field past its bound: answered
@@ -282,10 +287,13 @@ class FrameServer:
         body, reply = self._answer(worker_id, request, timeout, payload)
         try:
             payload.finish()
-            arrays, dtype = (reply.arrays, reply.dtype) if reply is not None else ((), FLOAT32)
-            self._until(conn, FRAME_FLOOR_S + payload_bytes(arrays, dtype) / MIN_BYTES_PER_S)
-            send_reply(conn, body, arrays, dtype)
-            self._until(conn, None)
+            if reply is None or not reply.arrays:
+                send_reply(conn, body)  # a few bytes: into the socket's buffer at once
+                return
+            # Weights lent until sent: a peer that does not take them loses its connection at the deadline.
+            self._until(conn, FRAME_FLOOR_S + payload_bytes(reply.arrays, reply.dtype) / MIN_BYTES_PER_S)
+            send_reply(conn, body, reply.arrays, reply.dtype)
+            unwatch()
         finally:
             if reply is not None and reply.release is not None:
                 reply.release()

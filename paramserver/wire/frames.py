@@ -270,14 +270,18 @@ HELLO = bounds.decoder(ps_pb2.AttachRequest, "Attach (socket hello)")
 EXCHANGE = bounds.decoder(ps_pb2.ExchangeRequest, "Exchange (socket)")
 
 
-def read_request(conn: socket.socket, limit: int = MAX_FRAME) -> tuple[float, bytes, Payload] | None:
+def read_request(
+    conn: socket.socket, limit: int = MAX_FRAME, on_head: Callable[[], object] | None = None
+) -> tuple[float, bytes, Payload] | None:
     """(timeout, message bytes, the payload to follow) of the next request frame, or None at a clean end of
-    stream. A message over `limit` bytes ends the connection (ConnectionError). The frame's end is read and
-    checked by the payload (`Payload.read_into` or `finish`): call `finish` before acting on a frame that has no
-    payload."""
+    stream; `on_head` is called once its header is in (the frame has begun). A message over `limit` bytes ends the
+    connection (ConnectionError). The frame's end is read and checked by the payload (`Payload.read_into` or
+    `finish`): call `finish` before acting on a frame that has no payload."""
     head = recv_exact(conn, REQUEST.size)
     if head is None:
         return None
+    if on_head is not None:
+        on_head()
     length, timeout, size = REQUEST.unpack(head)
     if length > limit:
         raise ConnectionError(f"frame of {length} bytes is over the limit of {limit}")
