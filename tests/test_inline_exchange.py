@@ -180,3 +180,25 @@ def test_malformed_inline_exchanges_are_refused_and_change_nothing(
     finally:
         channel.close()
         client.close()
+
+
+def test_an_inline_pull_that_would_not_fit_one_message_is_refused_as_too_large(
+    ps_cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    """A client in another language may ask any part inline: one whose weights cannot fit the reply is refused
+    RESOURCE_EXHAUSTED (TooLarge, named) before anything happens, not failed by gRPC after the exchange ran."""
+    config = ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=LR, max_message_bytes=64 * 1024)
+    cluster = ps_cluster_factory(config, shards=1)
+    model = {"w": torch.zeros(20_000)}  # 80 KB of float32 on the one shard
+    with PSClient(cluster.address, shared_memory=False, chunk_bytes=16 * 1024) as client:  # the data socket
+        client.register(model)
+        digest = client.digest(model)
+    before = _states(cluster)
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Exchange(ps_pb2.ExchangeRequest(model_digest=digest, pull=True, inline=True), timeout=30)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert dict(info.value.trailing_metadata())[ERROR_KEY] == "TooLarge"
+    assert "Pull stream" in info.value.details()
+    assert _states(cluster) == before

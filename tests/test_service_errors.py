@@ -584,6 +584,16 @@ def test_pull_before_init_is_failed_precondition(fresh: Live) -> None:
     assert fresh.shard.state_bytes() == before
 
 
+def test_join_without_a_worker_id_is_invalid_and_takes_no_place(fresh: Live) -> None:
+    before = fresh.shard.state_bytes()
+    _assert_refused(
+        lambda: fresh.stub.Join(ps_pb2.JoinRequest(worker_id="", job_name=JOB), timeout=CALL_TIMEOUT),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "a worker id is required",
+    )
+    assert fresh.shard.state_bytes() == before and fresh.shard.membership.live == {WORKER}
+
+
 def test_join_beyond_worker_count_is_resource_exhausted(fresh: Live) -> None:
     before = fresh.shard.state_bytes()
     _assert_refused(

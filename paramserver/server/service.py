@@ -26,10 +26,11 @@ from paramserver.server.exchange import (
     WeightsSink,
     segment_route,
 )
+from paramserver.shard.model import ShardModel
 from paramserver.shard.state import Shard
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire import bounds, codec
-from paramserver.wire.chunks import ChunkReceiver, wire_dtype
+from paramserver.wire.chunks import CHUNK_BYTES, ChunkReceiver, itemsize, wire_dtype
 
 
 class ClientStream:
@@ -266,14 +267,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         with rpc_errors(context, "Exchange", self.handler.rejected):
             model = self.handler.model(request.model_digest)
             if request.inline:
-                source, sink = self._inline_route(request)
+                source, sink = self._inline_route(request, model)
             else:
                 source, sink = segment_route(self.shard.attachments.segment(request.worker_id, model), request, model)
             return self.handler.exchange(Want.of(request), model, source, sink, self._timeout(context))
 
-    def _inline_route(self, request: ps_pb2.ExchangeRequest) -> tuple[GradientSource | None, WeightsSink | None]:
+    def _inline_route(
+        self, request: ps_pb2.ExchangeRequest, model: ShardModel
+    ) -> tuple[GradientSource | None, WeightsSink | None]:
         """The source and sink of an Exchange with the tensors in its messages (a small model, a worker with no
-        segment)."""
+        segment). A reply that could not fit one message is refused before the push, not after it applied."""
         size, limit = request.ByteSize(), self.shard.config.max_message_bytes
         if size > limit:
             raise TooLarge(
@@ -281,6 +284,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 "and Pull streams"
             )
         dtype = wire_dtype(request.dtype)
+        if request.pull:
+            # The weights, and at most a chunk message's framing per piece and per MiB, and the reply's header.
+            reply = model.numel * itemsize(dtype) + 32 * (len(model.pieces) + model.numel * 4 // CHUNK_BYTES) + 1024
+            if reply > limit:
+                raise TooLarge(
+                    f"an inline pull of this shard's part ({model.numel * itemsize(dtype)} bytes) would not fit one "
+                    f"message of {limit} bytes (max_message_bytes); pull with the Pull stream"
+                )
         if not request.push and request.chunks:
             raise MalformedStream("an Exchange without push carries no gradient chunks")
         return (

@@ -9,7 +9,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from paramserver.errors import JobFull, UnknownWorker
+from paramserver.errors import InvalidArgument, JobFull, UnknownWorker
 
 # Pushes remembered per worker for exactly-once: far more than a worker ever has in flight.
 REMEMBERED_STEPS = 256
@@ -77,7 +77,7 @@ class Membership:
     def join(self, worker_id: str) -> Worker:
         """Add a worker (or renew one that is already in) and return it with its rank."""
         if not worker_id:
-            raise UnknownWorker("a worker id is required to join")
+            raise InvalidArgument("a worker id is required to join")
         known = self._workers.get(worker_id)
         if known is not None:
             known.last_seen = time.monotonic()

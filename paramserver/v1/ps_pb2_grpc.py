@@ -99,7 +99,7 @@ class ParameterServerServicer:
 
     def Join(self, request, context):
         """Unary. Join the job (or renew). FAILED_PRECONDITION for another job's name, RESOURCE_EXHAUSTED when the job
-        already has its number of workers, INVALID_ARGUMENT for a worker_id or job_name past its bound (such a Join
+        already has its number of workers, INVALID_ARGUMENT for an empty worker_id or a worker_id or job_name past its bound (such a Join
         takes no place in the job).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -162,6 +162,8 @@ class ParameterServerServicer:
         and Pull; FAILED_PRECONDITION when not inline and no segment is attached for this worker and model (attach
         again). The same request as a doorbell or data-socket frame: a field past its bound is answered
         INVALID_ARGUMENT; bytes that are no ExchangeRequest end the connection.
+        An inline pull whose weights would not fit one message of max_message_bytes is RESOURCE_EXHAUSTED before
+        anything is applied: pull with the Pull stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
