@@ -419,7 +419,7 @@ def test_drain_waits_until_the_peer_has_taken_the_bytes() -> None:
     + [("::ffff:10.0.0.1", False), ("fe80::1%eth0", False), ("2001:db8::1", False)],
 )
 def test_a_peer_is_on_a_loopback_address(host: str, loopback: bool) -> None:
-    assert socket_client._is_loopback(host) is loopback
+    assert socket_client.is_loopback(host) is loopback
 
 
 # -- 2. raw frames over TCP ------------------------------------------------------------------------------------------

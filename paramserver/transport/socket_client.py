@@ -57,7 +57,8 @@ def drain(sock: socket.socket, below: int, limit: float) -> bool:
         time.sleep(DRAIN_POLL_S)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether an IP address (v4, v6, v4-mapped v6, with or without a zone) is this host's loopback."""
     address = ipaddress.ip_address(host.partition("%")[0])  # an IPv6 peer may carry a zone
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped.is_loopback
@@ -96,7 +97,7 @@ class FrameClient:
             self._sock.settimeout(timeout)
             connect()
             # A peer on this host's loopback (or a Unix socket) is reached through memory copies, not a link.
-            self.loopback = self._sock.family == socket.AF_UNIX or _is_loopback(self._sock.getpeername()[0])
+            self.loopback = self._sock.family == socket.AF_UNIX or is_loopback(self._sock.getpeername()[0])
             if tls is not None:
                 self._sock = tls.wrap_socket(self._sock, server_hostname=server_hostname or address[0])
             self.send(hello, timeout)
