@@ -84,12 +84,18 @@ class Binding:
             at += p.length
         return out
 
-    def mirror_weights(self) -> None:
-        """Copy the model's weights into the host mirrors (before they are read from there)."""
-        self.settle()
-        for t, mirror in zip(self.tensors, self.host, strict=True):
-            if mirror is not None:
-                mirror.copy_(t.detach().reshape(-1))
+    def weights_now(self) -> list[np.ndarray]:
+        """Flat float32 host arrays of the model's current weights, to read (an Init): the tensor's own memory
+        where it is a contiguous CPU float32 tensor, else a copy of its own. Never the host mirrors: a shard
+        re-initialised during an exchange must not overwrite the gradient another shard's part is being sent
+        from."""
+        out = []
+        for i, t in enumerate(self.tensors):
+            if self.host[i] is None:
+                out.append(t.detach().view(-1).numpy())
+            else:
+                out.append(t.detach().reshape(-1).to("cpu", torch.float32).numpy())
+        return out
 
     def unmirror_weights(self) -> None:
         """Copy pulled weights from the host mirrors into the model's tensors (CUDA, non-contiguous). A copy to the

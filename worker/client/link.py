@@ -158,7 +158,6 @@ class ShardLink:
                     f"{b.digest[:12]}): different tensor names or shapes; restart the servers to train a new model"
                 )
             return
-        b.mirror_weights()
         k = self.index
         header = ps_pb2.InitHeader(
             worker_id=self._session.worker_id,
@@ -168,7 +167,7 @@ class ShardLink:
             dtype=ps_pb2.FLOAT32,
         )
         try:
-            self.call(lambda: self.rpc.init(header, b.views(k, b.flats()), self._session.timeout))
+            self.call(lambda: self.rpc.init(header, b.views(k, b.weights_now()), self._session.timeout))
         except AlreadyInitialized:
             pass  # another worker won the race with the same model: adopt it
 
