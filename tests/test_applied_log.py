@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from paramserver.config import ServerConfig
+from paramserver.errors import InvalidArgument
 from paramserver.placement import TensorSpec, place
 from paramserver.server.cluster import LocalCluster
 from paramserver.shard import checkpoint, membership
@@ -170,11 +171,11 @@ def test_the_same_step_pushed_twice_is_applied_once(shard: Shard) -> None:
     assert shard.push("w", 2, 1, _grad(1.0), DIGEST) == (2, True), "the next step is a new push"
 
 
-def test_step_zero_means_no_deduplication(shard: Shard) -> None:
-    assert shard.push("w", 0, 0, _grad(1.0), DIGEST) == (1, True)
-    assert shard.push("w", 0, 1, _grad(1.0), DIGEST) == (2, True)
-    assert shard.describe().stats.duplicate_pushes == 0
-    assert shard.applied.dump() == {}
+def test_step_zero_names_no_push_and_is_refused(shard: Shard) -> None:
+    before = shard.state_bytes()
+    with pytest.raises(InvalidArgument, match="step starts at 1"):
+        shard.push("w", 0, 0, _grad(1.0), DIGEST)
+    assert shard.state_bytes() == before and shard.applied.dump() == {}
 
 
 def test_another_worker_with_the_same_step_is_a_new_push(shard: Shard) -> None:

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
-from paramserver.errors import InvalidArgument, PSError
+from paramserver.errors import PSError
 from paramserver.shard.model import ShardModel
 from paramserver.shard.state import Shard
 from paramserver.transport import shm
@@ -311,13 +311,12 @@ class ExchangeHandler:
 
     def _push(self, want: Want, model: ShardModel, source: GradientSource) -> tuple[int, bool]:
         shard = self.shard
-        if want.step < 1:
-            # (worker, step) names a push so that a retry applies once: a step that cannot name one is refused.
-            raise InvalidArgument("a push's step starts at 1: the shard applies each (worker_id, step) once")
         if source.in_place:
             # The segment was found through the worker's live attachment, which checked the worker.
             return shard.push(want.worker_id, want.step, want.base_version, source.region(model), model.digest)
-        shard.check_worker(want.worker_id)  # before a scratch buffer is taken and the gradient received
+        # Before a scratch buffer is taken and the gradient received (Shard.push checks both again).
+        shard.check_step(want.step)
+        shard.check_worker(want.worker_id)
         source.ready()
         with shard.scratch() as grad:
             source.fill(model, grad)  # a refusal here changes nothing: the buffer is the pool's

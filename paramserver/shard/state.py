@@ -216,8 +216,9 @@ class Shard:
             model = self.require_model(digest)
             if grad.shape != (model.numel,):
                 raise InvalidArgument(f"gradient of {grad.shape[0]} elements for a shard of {model.numel}")
+            self.check_step(step)
             self.membership.get(worker_id)
-            if step and self.applied.seen(worker_id, step):
+            if self.applied.seen(worker_id, step):
                 self.stats.duplicate_pushes += 1
                 self.metrics.pushed("duplicate")
                 # The version a pull must wait for to include the push taken before: the next one while its
@@ -228,10 +229,15 @@ class Shard:
             except StaleRound:
                 self.stats.late_pushes += 1
                 raise
-            if step:
-                self.applied.record(worker_id, step)
+            self.applied.record(worker_id, step)
             self.metrics.pushed("applied")
             return self.version, True
+
+    @staticmethod
+    def check_step(step: int) -> None:
+        """Refuse a step that cannot name a push: (worker_id, step) is what makes a retry apply once."""
+        if step < 1:
+            raise InvalidArgument("a push's step starts at 1: the shard applies each (worker_id, step) once")
 
     def keep_scratch(self, grad: torch.Tensor) -> bool:
         """Let the policy keep the scratch buffer a push was received into (as a round's sum: no copy) until it

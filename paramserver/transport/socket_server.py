@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from paramserver.errors import NotAttached, PermissionDenied, PSError, Status, TooLarge, status_of
+from paramserver.errors import NotAttached, PermissionDenied, PSError, TooLarge, status_of
 from paramserver.transport.tcp import keep_alive
 from paramserver.v1 import ps_pb2
 from paramserver.wire.frames import (
@@ -175,6 +175,10 @@ class FrameServer:
             else:
                 self._deadlines[conn] = time.monotonic() + seconds
 
+    def _begun(self, conn: socket.socket, payload: int) -> None:
+        """A frame's header is in: all of it, payload and end included, must be in by its deadline."""
+        self._until(conn, FRAME_FLOOR_S + payload / MIN_BYTES_PER_S)
+
     def _replace(self, old: socket.socket, new: socket.socket) -> None:
         """`new` (TLS) took over `old`'s descriptor: track it instead."""
         with self._lock:
@@ -199,7 +203,7 @@ class FrameServer:
             if worker_id is None:
                 return
             conn.settimeout(None)  # a proven worker may wait as long as a pull may
-            begun = functools.partial(self._until, conn, FRAME_FLOOR_S)
+            begun = functools.partial(self._begun, conn)
             unwatch = functools.partial(self._until, conn, None)
             # Between frames: no deadline (nothing is held); once a frame's header is in, the rest has one.
             while (frame := read_request(conn, on_head=begun)) is not None:
@@ -235,7 +239,7 @@ class FrameServer:
         except PSError as exc:  # a field past its bound: answered, once the frame's end is in
             payload.finish()
             self._rejected("Attach (socket hello)", exc)
-            send_reply(conn, error_body(exc))
+            send_reply(conn, error_body(status_of(exc, "Attach (socket hello)")))
             return None
         payload.finish()
         try:
@@ -247,7 +251,7 @@ class FrameServer:
             self._verify(hello, functools.partial(_shutdown, conn))
         except PSError as exc:
             self._rejected("Attach (socket hello)", exc)
-            send_reply(conn, error_body(exc))
+            send_reply(conn, error_body(status_of(exc, "Attach (socket hello)")))
             return None
         with self._lock:
             self._pending.discard(conn)
@@ -272,9 +276,8 @@ class FrameServer:
                     f"a payload of {payload.size} bytes is over this shard's {limit} (its part of the model)"
                 )
                 self._rejected("Exchange (socket)", big)
-                send_reply(conn, error_body(big))
+                send_reply(conn, error_body(status_of(big, "Exchange (socket)")))
                 raise ConnectionError("payload over the limit")  # the rest of the stream cannot be trusted
-            self._until(conn, FRAME_FLOOR_S + payload.size / MIN_BYTES_PER_S)
             if payload.size <= WAIT_WHOLE_BYTES:
                 payload.arrival = (FRAME_FLOOR_S, min(WAIT_WHOLE_BYTES, self._receive_buffer(conn) // 2))
         payload.on_end = unwatch  # a pull may then wait as long as it must
@@ -317,15 +320,15 @@ class FrameServer:
         except PermissionDenied as exc:
             # The connection, not its request, is at fault: no refused request to count, and (as the data-socket
             # tests pin) a status without a type name.
-            return _error_body(status_of(exc, what)._replace(name="")), None
+            return error_body(status_of(exc, what)._replace(name="")), None
         except PSError as exc:
             self._rejected(what, exc)
-            return error_body(exc), None
+            return error_body(status_of(exc, what)), None
         except (OSError, ConnectionError):
             raise  # the connection itself failed (e.g. mid-payload): nothing to answer on
         except Exception as exc:  # noqa: BLE001 - the boundary, as in errors.rpc_errors
             log.exception("%s failed", what)
-            return _error_body(status_of(exc, what)), None
+            return error_body(status_of(exc, what)), None
 
     def close(self, grace: float = 5.0) -> None:
         """Stop accepting, end every connection (their workers re-attach or fall back to gRPC), and wait up to
@@ -346,13 +349,6 @@ class FrameServer:
                 pass
         for thread in conns.values():
             thread.join(timeout=grace)
-
-
-def _error_body(status: Status) -> bytes:
-    """A reply body for a status that names no PSError type (frames.error_body's layout: u8 status, u8 length +
-    type name, message)."""
-    name = status.name.encode()[:255]
-    return bytes([status.code.value[0], len(name)]) + name + status.details.encode()
 
 
 def tcp_listener(host: str, port: int) -> socket.socket:

@@ -45,7 +45,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from paramserver.errors import MalformedStream, PSError, Undecodable
+from paramserver.errors import MalformedStream, Status, Undecodable
 from paramserver.v1 import ps_pb2
 from paramserver.wire import bounds
 from paramserver.wire.chunks import CHUNK_BYTES, FLOAT32, decode_into, itemsize, iter_chunks
@@ -198,14 +198,16 @@ class Payload:
             return
         deadline = time.monotonic() + limit
         waiting = bytearray(4)
-        hangup = select.poll()  # tells, without waiting, whether the peer has stopped sending
-        hangup.register(self._sock, select.POLLRDHUP)
+        hangup: select.poll | None = None  # made only when the payload is not in yet: the usual case has it all
         nap = 0.0005
         while True:
             fcntl.ioctl(self._sock.fileno(), termios.FIONREAD, waiting)
             pending = self._sock.pending() if isinstance(self._sock, ssl.SSLSocket) else 0
             if int.from_bytes(waiting, sys.byteorder) + pending >= self.size + END.size:
                 return
+            if hangup is None:
+                hangup = select.poll()  # tells, without waiting, whether the peer has stopped sending
+                hangup.register(self._sock, select.POLLRDHUP)
             if hangup.poll(0):
                 raise ConnectionError(f"the peer stopped sending in a payload of {self.size} bytes")
             left = deadline - time.monotonic()
@@ -256,9 +258,10 @@ Verify = Callable[[ps_pb2.AttachRequest, Callable[[], None]], None]
 Handle = Callable[[ps_pb2.ExchangeRequest, float, Payload], Reply]
 
 
-def error_body(exc: PSError) -> bytes:
-    name = type(exc).__name__.encode()[:255]
-    return bytes([exc.code.value[0], len(name)]) + name + str(exc).encode()
+def error_body(status: Status) -> bytes:
+    """A refused request's reply body: u8 status code, u8 length + the error type's name, the UTF-8 message."""
+    name = status.name.encode()[:255]
+    return bytes([status.code.value[0], len(name)]) + name + status.details.encode()
 
 
 def send_reply(sock: socket.socket, body: bytes, arrays: Sequence[np.ndarray] = (), dtype: int = FLOAT32) -> None:
@@ -271,18 +274,18 @@ EXCHANGE = bounds.decoder(ps_pb2.ExchangeRequest, "Exchange (socket)")
 
 
 def read_request(
-    conn: socket.socket, limit: int = MAX_FRAME, on_head: Callable[[], object] | None = None
+    conn: socket.socket, limit: int = MAX_FRAME, on_head: Callable[[int], object] | None = None
 ) -> tuple[float, bytes, Payload] | None:
     """(timeout, message bytes, the payload to follow) of the next request frame, or None at a clean end of
-    stream; `on_head` is called once its header is in (the frame has begun). A message over `limit` bytes ends the
-    connection (ConnectionError). The frame's end is read and checked by the payload (`Payload.read_into` or
-    `finish`): call `finish` before acting on a frame that has no payload."""
+    stream; `on_head(payload length)` is called once its header is in (the frame has begun). A message over
+    `limit` bytes ends the connection (ConnectionError). The frame's end is read and checked by the payload
+    (`Payload.read_into` or `finish`): call `finish` before acting on a frame that has no payload."""
     head = recv_exact(conn, REQUEST.size)
     if head is None:
         return None
-    if on_head is not None:
-        on_head()
     length, timeout, size = REQUEST.unpack(head)
+    if on_head is not None:
+        on_head(size)
     if length > limit:
         raise ConnectionError(f"frame of {length} bytes is over the limit of {limit}")
     body = recv_exact(conn, length)

@@ -42,7 +42,9 @@ class Binding:
 
     def __post_init__(self) -> None:
         self.buffer = [s.buffer for s in self.placement.specs]
-        self.largest_part = max(self.placement.shard_elements(k) for k in range(self.placement.num_shards))
+        # Elements of each shard's part, summed once here rather than at every exchange.
+        self.elements = [self.placement.shard_elements(k) for k in range(self.placement.num_shards)]
+        self.largest_part = max(self.elements)
         self._index = {n: i for i, n in enumerate(self.names)}
         self._copying: torch.cuda.Event | None = None  # the last host-to-device copy out of the mirrors
 

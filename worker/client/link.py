@@ -195,17 +195,7 @@ class ShardLink:
             incarnation=self.incarnation,
             dtype=s.dtype,
         )
-        job = Job(
-            request,
-            b,
-            self.index,
-            b.placement.num_shards,
-            grads,
-            flats,
-            turns,
-            functools.partial(self._check_digest, b),
-            s.timeout,
-        )
+        job = Job(request, b, self.index, self.address, grads, flats, turns, s.timeout)
         answer: Answer = transport.begin(job)
 
         def finish() -> int:
@@ -216,7 +206,7 @@ class ShardLink:
                 self._min_next = base + 1 if reply.applied else int(reply.version)
             if not pulled:
                 return int(reply.version)
-            self._check_digest(b, reply.pulled)
+            # (The transport checked reply.pulled's model before it wrote the weights: Job.check.)
             if reply.pulled.incarnation != self.incarnation:
                 self.incarnation = reply.pulled.incarnation
                 self._min_next = 0
@@ -229,13 +219,6 @@ class ShardLink:
         """A push was taken but its pull timed out: the next pull must wait for that round too, not hand back the
         weights the push was made on."""
         self._min_next = max(self._min_next, base + 1)
-
-    def _check_digest(self, b: Binding, header: ps_pb2.PullHeader) -> None:
-        if header.model_digest != b.digest:
-            raise ModelMismatch(
-                f"shard {self.address} holds another model than the one being pulled "
-                f"into ({header.model_digest[:12]} vs {b.digest[:12]})"
-            )
 
     # -- attaching ---------------------------------------------------------------------------------------------
 
@@ -276,7 +259,7 @@ class ShardLink:
 
     def _attach_segment(self, b: Binding) -> SharedMemory | None:
         """Offer the shard a shared-memory segment for this model; None if it cannot use one."""
-        segment = shm.Segment.create(b.placement.shard_elements(self.index))
+        segment = shm.Segment.create(b.elements[self.index])
         req = ps_pb2.AttachRequest(
             worker_id=self._session.worker_id,
             shared_memory=ps_pb2.SharedMemory(name=segment.name),
@@ -308,7 +291,7 @@ class ShardLink:
         req = ps_pb2.AttachRequest(
             worker_id=s.worker_id,
             nonce=secrets.token_bytes(shm.NONCE_BYTES),
-            elements=b.placement.shard_elements(self.index),
+            elements=b.elements[self.index],
             model_digest=b.digest,
             data_socket=ps_pb2.DataSocket(),
         )

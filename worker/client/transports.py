@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from paramserver.errors import MalformedStream, PSError, RemoteError
+from paramserver.errors import MalformedStream, ModelMismatch, PSError, RemoteError
 from paramserver.transport import shm
 from paramserver.transport.socket_client import FrameClient
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
@@ -70,17 +70,29 @@ class Job:
     request: ps_pb2.ExchangeRequest  # push/pull, step, versions, incarnation, digest, dtype: filled by the link
     binding: Binding
     shard: int
-    shards: int  # how many shards the exchange spans
+    address: str  # the shard's, for error messages
     grads: list[np.ndarray] | None  # the model's flat float32 gradients, when pushing
     flats: list[np.ndarray] | None  # the model's flat float32 weights to write into, when pulling
     turns: Turns
-    check: Callable[[ps_pb2.PullHeader], None]  # refuses pulled weights of another model before they are written
     timeout: float
+
+    @property
+    def shards(self) -> int:
+        """How many shards the exchange spans."""
+        return self.binding.placement.num_shards
 
     @property
     def small(self) -> bool:
         """Whether this shard's part fits one message (INLINE_BYTES) in the request's dtype."""
-        return self.binding.placement.shard_elements(self.shard) * itemsize(self.request.dtype) <= INLINE_BYTES
+        return self.binding.elements[self.shard] * itemsize(self.request.dtype) <= INLINE_BYTES
+
+    def check(self, header: ps_pb2.PullHeader) -> None:
+        """Refuse pulled weights of another model, before they are written (every transport calls this)."""
+        if header.model_digest != self.binding.digest:
+            raise ModelMismatch(
+                f"shard {self.address} holds another model than the one being pulled "
+                f"into ({header.model_digest[:12]} vs {self.binding.digest[:12]})"
+            )
 
 
 class Transport(ABC):
