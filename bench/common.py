@@ -378,6 +378,15 @@ class Plan:
     link_batch: int
     link_epochs: int
     link_payload: int  # float32 parameters pushed and pulled over the link, in turn and at once
+    sparse_dims: tuple[int, ...]  # row widths of the sparse step cases (4,096 Zipf IDs a batch)
+    sparse_shards: tuple[int, ...]
+    sparse_wires: tuple[str, ...]  # shm, socket, grpc
+    sparse_rounds: int  # rounds of (local steps, PS steps) in turn, per case; throughput windows too
+    sparse_steps: int  # steps per side per round
+    sparse_batches: int  # pre-drawn batches a process cycles through; its warm-up is one pass over them
+    sparse_workers: int  # concurrent workers against one shard in the throughput case
+    sparse_seconds: float  # length of one throughput window
+    sparse_rows: tuple[int, int]  # rows of the small and the large RowTable in the memory case
 
     @classmethod
     def full(cls, repeats: int = 5, train_repeats: int = 3) -> Plan:
@@ -410,6 +419,15 @@ class Plan:
             link_batch=128,
             link_epochs=5,
             link_payload=6_250_000,  # 25 MB: half a second each way
+            sparse_dims=(16, 64, 128),
+            sparse_shards=(1, 2),
+            sparse_wires=("shm", "socket", "grpc"),
+            sparse_rounds=2 * repeats,
+            sparse_steps=20,
+            sparse_batches=32,
+            sparse_workers=4,
+            sparse_seconds=2.0,
+            sparse_rows=(100_000, 10_000_000),
         )
 
     @classmethod
@@ -440,6 +458,15 @@ class Plan:
             link_batch=128,
             link_epochs=1,
             link_payload=1_000_000,  # 2 MB a shard: over the 1 MiB that goes from the caller's thread
+            sparse_dims=(64,),
+            sparse_shards=(1, 2),
+            sparse_wires=("shm", "socket", "grpc"),
+            sparse_rounds=repeats,
+            sparse_steps=5,
+            sparse_batches=8,
+            sparse_workers=4,
+            sparse_seconds=0.5,
+            sparse_rows=(10_000, 1_000_000),
         )
 
     def to_json(self) -> dict[str, Any]:

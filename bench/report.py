@@ -91,7 +91,7 @@ def markdown(doc: Doc) -> str:
         "(shared 2-core machines vary by up to 2x between passes). MB and GB are decimal (10^6, 10^9 bytes).",
         "",
     ]
-    lines += _transport(ix, doc) + _baselines(ix) + _training(ix) + _memory(ix) + _link(ix)
+    lines += _transport(ix, doc) + _baselines(ix) + _training(ix) + _memory(ix) + _sparse(ix) + _link(ix)
     errors = {k: v["error"] for k, v in doc.get("sections", {}).items() if not v.get("ok")}
     if errors:
         lines += ["## Errors", ""] + [f"- **{k}**: {v}" for k, v in errors.items()] + [""]
@@ -333,6 +333,158 @@ def _memory(ix: _Index) -> list[str]:
     ]
 
 
+_SPARSE_PATHS = {"shm": "shared memory", "socket": "data socket", "grpc": "gRPC"}
+
+
+def _target(value: Any, limit: float | None) -> str:
+    """A target and whether this run met it: "≤ 1.0x: met"; empty for no target."""
+    if limit is None:
+        return ""
+    verdict = "" if not _ok(value) else (": met" if value <= limit else ": not met")
+    return f"≤ {limit}x{verdict}"
+
+
+def _sparse(ix: _Index) -> list[str]:
+    figs = ix.section("sparse")
+    if not figs:
+        return []
+    order = list(_SPARSE_PATHS)
+    lines = [
+        "## Sparse tables: a step on 4,096 Zipf IDs against the same step in plain torch",
+        "",
+        'A worker process (1 torch thread) trains one `SparseEmbedding(dim, num_embeddings=1M, optimizer="adagrad")` '
+        "and a one-element dense parameter: forward (torch.unique of the batch and one lookup exchange per shard), "
+        "loss = sum, backward, `push_pull` (the touched rows' summed gradients and the dense gradient, one exchange "
+        "per shard); sync mode, 1 worker. Local: `nn.Embedding(1M, dim, sparse=True)` + `torch.optim.Adagrad`, the "
+        "same batches (Zipf(1.1) mod 1M, about 2,400 unique IDs of 4,096), 1 torch thread, in a process of its own. "
+        "Both after one warm-up pass over the batches (so every row exists on the shards); rounds of local and PS "
+        "steps in turn, and ÷ local is the median of each round's ratio of medians. 1 shard is the per-shard "
+        "figure, 2 shards end to end.",
+        "",
+    ]
+    steps = [f for f in figs if f["id"].startswith("sparse.step.")]
+    if steps:
+        rows = []
+        for f in sorted(
+            steps,
+            key=lambda f: (
+                f["params"]["dim"],
+                f["params"]["shards"],
+                order.index(f["params"]["wire"]) if f["params"]["wire"] in order else len(order),
+            ),
+        ):
+            p, e = f["params"], f.get("extra", {})
+            raw = ix.get(f["id"].replace("sparse.step.", "sparse.ms.", 1))
+            rows.append(
+                [
+                    str(p["dim"]),
+                    f"{p['shards']} ({p.get('scope', '')})",
+                    _SPARSE_PATHS.get(p["wire"], p["wire"]),
+                    fmt(e.get("local_ms")),
+                    fmt(raw["median"] if raw else None),
+                    fmt(e.get("forward_ms")),
+                    fmt(e.get("backward_ms")),
+                    fmt(e.get("push_pull_ms")),
+                    fmt(f["median"], "x"),
+                    _target(f["median"], p.get("target")),
+                ]
+            )
+        header = [
+            "dim",
+            "shards",
+            "path",
+            "local step ms",
+            "PS step ms",
+            "forward (lookup) ms",
+            "backward ms",
+            "push_pull ms",
+            "÷ local step",
+            "target",
+        ]
+        lines += [*_table(header, rows), ""]
+    tput = [f for f in figs if f["id"].startswith("sparse.ids.")]
+    if tput:
+        rows = []
+        for f in tput:
+            p = f["params"]
+            ratio = ix.get(f["id"].replace("sparse.ids.", "sparse.throughput.", 1))
+            rows.append(
+                [
+                    _SPARSE_PATHS.get(p["wire"], p["wire"]),
+                    str(p["shards"]),
+                    str(p["workers"]),
+                    str(p["dim"]),
+                    fmt(f["median"]),
+                    fmt(ix.median(p["baseline"])),
+                    fmt(ratio["median"] if ratio else None, "x"),
+                ]
+            )
+        header = ["path", "shards", "workers", "dim", "M IDs/s", "local step M IDs/s (1 thread)", "÷ local"]
+        lines += [
+            f"Throughput: {tput[0]['params']['workers']} worker processes step as fast as they can against one shard "
+            f"(async mode) for windows of {fmt(tput[0]['params']['seconds'])} s, local rounds in between; IDs/s "
+            "counts every worker's 4,096 IDs a step over the window. All these processes share the machine's "
+            "cores, which the local rate has to itself.",
+            "",
+            *_table(header, rows),
+            "",
+        ]
+    held = [f for f in figs if f["id"].startswith("sparse.bytes.")]
+    if held:
+        rows = []
+        for f in sorted(held, key=lambda f: f["params"]["rows"]):
+            p, e = f["params"], f.get("extra", {})
+            label = f["id"].split(".")[2]
+            rss = ix.get(f"sparse.rss.{label}.d{p['dim']}")
+            batch = ix.get(f"sparse.batch.{label}.d{p['dim']}")
+            scale = ix.get(f"sparse.scale.{label}.d{p['dim']}")
+            rows.append(
+                [
+                    f"{p['rows']:,}",
+                    str(p["dim"]),
+                    fmt(e["value_state_bytes"] / 1e6),
+                    fmt(e["nbytes"] / 1e6),
+                    fmt(f["median"], "x"),
+                    _target(f["median"], p.get("target")),
+                    fmt(rss["median"] if rss else None, "x"),
+                    fmt(e["slots"] / p["rows"], "x"),
+                    fmt(e["huge_pages_bytes"] / 1e6) if "huge_pages_bytes" in e else "—",
+                    fmt(batch["median"] if batch else None),
+                    fmt(scale["median"], "x") if scale else "",
+                    _target(scale["median"], scale["params"].get("target")) if scale else "",
+                ]
+            )
+        header = [
+            "rows",
+            "dim",
+            "value + state MB",
+            "held MB",
+            "held ÷ (value + state)",
+            "target",
+            "RSS growth ÷ (value + state)",
+            "slab slots ÷ rows",
+            "process on huge pages MB",
+            "ms per batch",
+            "÷ smaller table",
+            "target",
+        ]
+        note = next((f["params"]["dim_note"] for f in held if f["params"].get("dim_note")), "")
+        lines += [
+            "Row table (paramserver.shard.row_store.RowTable, Adagrad), one process, no servers: held = its nbytes "
+            "(value and state slabs, hash index, per-slot arrays); RSS growth after malloc_trim (glibc keeps the "
+            "heap freed temporaries held, a fixed amount, not a cost per row). Filled 4,096 new IDs an apply, in a "
+            "random order; the slabs grow by 1.25x, so slots ÷ rows lies anywhere in 1.0-1.25x. ms per batch: lookup "
+            "+ apply of the unique IDs of 4,096 Zipf IDs over the held rows, both tables in turn. Huge pages: the "
+            "process's anonymous memory on transparent huge pages once that table was filled (numpy asks for them "
+            "for the slabs; where the kernel has none to give, a large table's scattered rows miss the TLB more)."
+            + (f" {note}." if note else ""),
+            "",
+            *_table(header, rows),
+            "",
+        ]
+    return lines
+
+
 def _link(ix: _Index) -> list[str]:
     figs = ix.section("link")
     if not figs:
@@ -500,6 +652,29 @@ def summary(doc: Doc) -> str:
                 "≤ 1.1x",
                 check(v, 1.1),
             )
+    for wire, name in _SUMMARY_PATHS[:2]:
+        for shards, scope in ((1, "1 shard"), (2, "2 shards")):
+            fid = f"sparse.step.{wire}.s{shards}.d64"
+            if ix.get(fid) is not None:
+                v = ix.median(fid)
+                what = f"sparse step, 4,096 Zipf IDs, dim 64, {scope}, {name}, ÷ local nn.Embedding(sparse) step"
+                row(what, v, "x", "≤ 1.0x", check(v, 1.0))
+    for f in ix.section("sparse"):
+        p = f["params"]
+        if f["id"].startswith("sparse.throughput."):
+            what = f"sparse IDs/s, 1 shard, {p['workers']} workers, {_SPARSE_PATHS.get(p['wire'], p['wire'])}"
+            row(f"{what}, ÷ the local step's (1 thread)", f["median"], "x", "", None)
+    held = [f for f in ix.section("sparse") if f["id"].startswith("sparse.bytes.")]
+    if held:
+        top = max(held, key=lambda f: f["params"]["rows"])
+        v = top["median"]
+        what = f"sparse table memory, {top['params']['rows']:,} rows, dim {top['params']['dim']}, ÷ (value + state)"
+        row(what, v, "x", "≤ 1.3x", check(v, 1.3))
+    for f in ix.section("sparse"):
+        if f["id"].startswith("sparse.scale."):
+            small, large = f["params"]["rows"]
+            what = f"sparse table time per batch, {large:,} rows ÷ {small:,} rows, dim {f['params']['dim']}"
+            row(what, f["median"], "x", "≤ 1.5x", check(f["median"], 1.5))
     m = doc["machine"]
     head = (
         f"From `make bench` on {doc['started']} ({m.get('cores')} cores, GLIBC_TUNABLES: "

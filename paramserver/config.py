@@ -93,6 +93,18 @@ class ServerConfig:
     pull_timeout: float = config_field(60.0, "seconds a pull may wait for the version it asks for")
     max_message_bytes: int = config_field(4 * 1024 * 1024, "largest gRPC message a shard accepts (chunks are ~1 MiB)")
     max_model_bytes: int = config_field(16 * 1024**3, "largest part of a model (float32 bytes) one shard accepts")
+    max_table_bytes: int = config_field(
+        4 * 1024**3,
+        "memory one shard's sparse-table rows may take (values, optimizer state, index): beyond it, see "
+        "--table-overflow",
+    )
+    table_overflow: str = config_field(
+        "evict",
+        "what a shard does when new rows would take its tables past --max-table-bytes: evict (drop the least "
+        "recently updated rows; paramserver_table_rows_evicted counts them) or refuse (the push is refused with "
+        "RESOURCE_EXHAUSTED and nothing changes)",
+        choices=("evict", "refuse"),
+    )
     lease_timeout: float = config_field(
         10.0,
         "seconds a worker may stay silent (no RPC, no heartbeat) before it is evicted and a sync round "
@@ -183,6 +195,10 @@ class ServerConfig:
             raise ValueError("max_concurrent_pushes must be at least 1")
         if self.max_pending_connections < 1:
             raise ValueError("max_pending_connections must be at least 1")
+        if self.max_table_bytes < 1:
+            raise ValueError(f"max_table_bytes must be positive, not {self.max_table_bytes}")
+        if self.table_overflow not in ("evict", "refuse"):
+            raise ValueError(f"table_overflow must be evict or refuse, not {self.table_overflow!r}")
         from paramserver.v1.ps_pb2 import JoinRequest
         from paramserver.wire.bounds import declared  # the wire's bound: a longer name could never be named by a worker
 

@@ -16,6 +16,10 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paramserver.tables import TableSpec
 
 # 1 M elements (4 MB): large enough that small models keep whole tensors, small enough to spread big layers.
 SLICE_ELEMENTS = 1 << 20
@@ -50,6 +54,7 @@ class Placement:
     specs: tuple[TensorSpec, ...]
     shards: tuple[tuple[Piece, ...], ...]
     digest: str
+    tables: tuple[TableSpec, ...] = ()  # the model's sparse tables: every shard holds the rows whose IDs hash to it
 
     @property
     def num_shards(self) -> int:
@@ -60,25 +65,41 @@ class Placement:
         return sum(p.length for p in self.shards[shard])
 
 
-def digest(specs: Sequence[TensorSpec], num_shards: int, slice_elements: int = SLICE_ELEMENTS) -> str:
+def digest(
+    specs: Sequence[TensorSpec],
+    num_shards: int,
+    slice_elements: int = SLICE_ELEMENTS,
+    tables: Sequence[TableSpec] = (),
+) -> str:
     """Return the digest naming this model on this many shards (hex sha256 of a canonical JSON)."""
-    doc = {
+    doc: dict[str, object] = {
         "v": 1,
         "shards": num_shards,
         "slice": slice_elements,
         # A buffer's entry says so; a parameter's stays [name, shape], so parameter-only digests never change.
         "tensors": [[s.name, list(s.shape), "buffer"] if s.buffer else [s.name, list(s.shape)] for s in specs],
     }
+    if tables:  # absent without tables, so that the digests of dense models never change
+        doc["tables"] = [t.digest_entry() for t in tables]
     return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
 
 
-def place(specs: Sequence[TensorSpec], num_shards: int, slice_elements: int = SLICE_ELEMENTS) -> Placement:
-    """Assign every element of every tensor to exactly one shard, deterministically."""
+def place(
+    specs: Sequence[TensorSpec],
+    num_shards: int,
+    slice_elements: int = SLICE_ELEMENTS,
+    tables: Sequence[TableSpec] = (),
+) -> Placement:
+    """Assign every element of every tensor to exactly one shard, deterministically (the rows of `tables` go by
+    their IDs: paramserver.tables.shard_of)."""
     if num_shards < 1:
         raise ValueError(f"num_shards must be at least 1, not {num_shards}")
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError("tensor names must be unique")
+    table_names = [t.name for t in tables]
+    if len(set(table_names)) != len(table_names):
+        raise ValueError("table names must be unique")
     order = {s.name: i for i, s in enumerate(specs)}
     pieces: list[list[Piece]] = [[] for _ in range(num_shards)]
     load = [0] * num_shards
@@ -105,4 +126,4 @@ def place(specs: Sequence[TensorSpec], num_shards: int, slice_elements: int = SL
 
     # Model order within a shard keeps a worker's reads and writes sequential.
     ordered = tuple(tuple(sorted(ps, key=lambda p: (order[p.name], p.start))) for ps in pieces)
-    return Placement(tuple(specs), ordered, digest(specs, num_shards, slice_elements))
+    return Placement(tuple(specs), ordered, digest(specs, num_shards, slice_elements, tables), tuple(tables))

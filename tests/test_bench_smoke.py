@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("transport", "baselines", "training", "memory", "link")
+SECTIONS = ("transport", "baselines", "training", "memory", "sparse", "link")
 SMOKE = SECTIONS[:-1]  # every section that runs on any machine
 LIMIT_S = 1200  # pytest-timeout's limit for the run: for a machine many times slower than usual, never a verdict
 pytestmark = pytest.mark.timeout(LIMIT_S)  # whichever test runs the module's quick run first
@@ -99,13 +99,21 @@ def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.Co
     overlap = [f for i, f in by_id.items() if i.startswith("training.sps.") and i.endswith(".w1.async+overlap")]
     assert overlap, "no overlap figure"
     assert any(base.endswith(".w1.async") for base in overlap[0]["ratios"]), overlap[0]["ratios"]
+    # Sparse tables: the step on each path against the local step, the throughput, the row table's memory and scale.
+    for path in ("shm", "socket", "grpc"):
+        step = by_id.get(f"sparse.step.{path}.s2.d64")
+        assert step is not None and step["unit"] == "x", path
+        assert "sparse.local.d64" in by_id[f"sparse.ms.{path}.s2.d64"]["ratios"], path
+    assert "sparse.local.rate.d64" in by_id["sparse.ids.shm.s1.w4.d64"]["ratios"]
+    for prefix in ("sparse.throughput.", "sparse.bytes.", "sparse.rss.", "sparse.scale."):
+        assert any(i.startswith(prefix) for i in ids), prefix
     # Ratios against the baselines of the same run are computed, and they are positive.
     ratios = [r for f in figures for r in f.get("ratios", {}).values()]
     assert ratios and all(r > 0 for r in ratios)
 
     text = (out / "latest.md").read_text()
     assert text.startswith("# paramserver benchmarks")
-    for heading in ("## Transport", "## Baselines", "## Training", "## Memory"):
+    for heading in ("## Transport", "## Baselines", "## Training", "## Memory", "## Sparse tables"):
         assert heading in text
     assert "| payload |" in text
     assert "# paramserver benchmarks" in result.stdout  # the table is printed at the end too
@@ -117,7 +125,15 @@ def test_baselines_bracket_the_transport_cases() -> None:
         from bench.run import run_order
     finally:
         sys.path.remove(str(ROOT))
-    assert run_order(list(SECTIONS)) == ["baselines", "transport", "baselines", "training", "memory", "link"]
+    assert run_order(list(SECTIONS)) == [
+        "baselines",
+        "transport",
+        "baselines",
+        "training",
+        "memory",
+        "sparse",
+        "link",
+    ]
     assert run_order(["baselines", "memory"]) == ["baselines", "memory"]
     assert run_order(["transport"]) == ["transport"]
 

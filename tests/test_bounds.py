@@ -47,7 +47,7 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 SERVICE = "/paramserver.v1.ParameterServer/"
 # Fields whose bound is the size of the message holding them (max_message_bytes, RESOURCE_EXHAUSTED beyond): the
 # .proto says so in their comments.
-BOUNDED_BY_MESSAGE_SIZE = {"paramserver.v1.Chunk.data"}
+BOUNDED_BY_MESSAGE_SIZE = {"paramserver.v1.Chunk.data", "paramserver.v1.Rows.ids", "paramserver.v1.Rows.values"}
 _STRING, _BYTES, _MESSAGE = FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES, FieldDescriptor.TYPE_MESSAGE
 
 
@@ -222,9 +222,9 @@ def _over(bound: int) -> str:
 def _init(e: Env, **changes: object) -> object:
     header = init_messages(SPECS, worker_id=WORKER)[0].header
     for key, value in changes.items():
-        if key == "specs":
-            del header.specs[:]
-            header.specs.extend(value)  # type: ignore[arg-type]
+        if key in ("specs", "tables"):
+            del getattr(header, key)[:]
+            getattr(header, key).extend(value)  # type: ignore[arg-type]
         else:
             setattr(header, key, value)
     return e.stub.Init(iter([ps_pb2.InitMessage(header=header)]), timeout=CALL_TIMEOUT)
@@ -285,6 +285,17 @@ OVER: list[tuple[str, int, Callable[[Env], object]]] = [
     ("ExchangeRequest.model_digest", 64, lambda e: _exchange(e, model_digest=_over(64))),
     ("ExchangeRequest.incarnation", 64, lambda e: _exchange(e, incarnation=_over(64))),
     ("ExchangeRequest.chunks", 131072, lambda e: _exchange(e, push=True, chunks=[ps_pb2.Chunk()] * 131073)),
+    ("ExchangeRequest.rows", 1024, lambda e: _exchange(e, push=True, rows=[ps_pb2.Rows()] * 1025)),
+    ("ExchangeRequest.lookup", 1024, lambda e: _exchange(e, lookup=[ps_pb2.Rows()] * 1025)),
+    ("PushMessage.header.rows", 1024, lambda e: _push_header(e, rows=[ps_pb2.Rows()] * 1025)),
+    ("InitMessage.header.tables", 1024, lambda e: _init(e, tables=[ps_pb2.TableSpec(name="t", dim=1)] * 1025)),
+    ("InitMessage.header.tables[0].name", 256, lambda e: _init(e, tables=[ps_pb2.TableSpec(name=_over(256))])),
+    ("InitMessage.header.tables[0].init", 16, lambda e: _init(e, tables=[ps_pb2.TableSpec(name="t", init=_over(16))])),
+    (
+        "InitMessage.header.tables[0].optimizer",
+        32,
+        lambda e: _init(e, tables=[ps_pb2.TableSpec(name="t", optimizer=_over(32))]),
+    ),
 ]
 
 

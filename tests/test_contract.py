@@ -142,3 +142,76 @@ def test_spec_example_is_the_first_vector() -> None:
     text = (V1 / "SPEC.md").read_text(encoding="utf-8")
     assert first["digest"] in text
     assert _spec_digest(first["specs"], first["num_shards"], first["slice_elements"]) == first["digest"]
+
+
+# -- SPEC.md section 14 (sparse tables), written again from the text with Python integers -------------------------
+
+TABLE_VECTORS = json.loads((V1 / "table_vectors.json").read_text(encoding="utf-8"))
+_MASK = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def test_row_placement_vectors_follow_the_spec_text() -> None:
+    ids = TABLE_VECTORS["ids"]
+    assert [str(_mix64(i & _MASK)) for i in ids] == TABLE_VECTORS["mix64"]
+    for n, shards in TABLE_VECTORS["shard_of"].items():
+        assert [_mix64(i & _MASK) % int(n) for i in ids] == shards
+
+
+def test_initial_row_vectors_follow_the_spec_text() -> None:
+    """The codebook rule of SPEC.md section 14, element by element with Python floats (float64)."""
+    import math
+    import struct
+
+    rows_per_book = 4096
+    for case in TABLE_VECTORS["initial_rows"]:
+        t = case["table"]
+        dim, seed, kind = t["dim"], int(t["seed"]), t["init"]
+        scale = t["init_scale"] or 1.0 / math.sqrt(dim)
+        key = _mix64(seed)
+
+        def u(c: int, key: int = key) -> float:
+            return (_mix64((key + c) & _MASK) >> 11) * 2.0**-53
+
+        def book(b: int, r: int, j: int, dim: int = dim, kind: str = kind) -> float:
+            c = (b * rows_per_book + r) * dim + j
+            if kind == "normal":
+                return math.sqrt(-2.0 * math.log1p(-u(2 * c))) * math.cos(2.0 * math.pi * u(2 * c + 1))
+            return u(c)
+
+        for id_text, row in zip(case["ids"], case["rows"], strict=True):
+            h = _mix64((int(id_text) & _MASK) ^ key)
+            ra, rb = h % rows_per_book, (h >> 32) % rows_per_book
+            want = []
+            for j in range(dim):
+                a, b = book(0, ra, j), book(1, rb, j)
+                if kind == "normal":
+                    x = (a + b) * (scale / math.sqrt(2.0))
+                elif kind == "uniform":
+                    s = a + b
+                    x = (2.0 * (s - math.floor(s)) - 1.0) * scale
+                else:
+                    x = 0.0
+                want.append(struct.pack(">f", x).hex())
+            assert want == row, f"table {t['name']}, ID {id_text}"
+
+
+def test_the_digest_of_a_model_with_tables_follows_the_spec_text() -> None:
+    case = TABLE_VECTORS["digest"]
+    doc = {
+        "v": 1,
+        "shards": case["num_shards"],
+        "slice": case["slice_elements"],
+        "tensors": case["specs"],
+        "tables": case["tables"],
+    }
+    text = json.dumps(doc, separators=(",", ":"))
+    assert hashlib.sha256(text.encode()).hexdigest() == case["digest"]
+    module = _make_vectors()
+    assert module.render_tables() == (V1 / "table_vectors.json").read_text(encoding="utf-8")

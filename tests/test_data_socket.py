@@ -309,14 +309,14 @@ def _timed_sends(client: PSClient, delay: float = 0.0, fail_first: bool = False)
     for k, bell in enumerate(_connections(client)):
         real = bell.send
 
-        def send(request, timeout, arrays=(), dtype=FLOAT32, k=k, real=real):  # noqa: ANN001, ANN202
+        def send(request, timeout, arrays=(), dtype=FLOAT32, raw=(), k=k, real=real):  # noqa: ANN001, ANN202
             start = time.monotonic()
             if arrays and k == 0 and not any(s[0] == 0 for s in sends):
                 time.sleep(delay)
                 if fail_first:
                     sends.append((k, start, time.monotonic()))
                     raise ConnectionResetError("cut off by the test")
-            real(request, timeout, arrays, dtype)
+            real(request, timeout, arrays, dtype, raw)
             if arrays:
                 sends.append((k, start, time.monotonic()))
 

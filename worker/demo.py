@@ -68,9 +68,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--port", type=int, default=0, help="port of shard 0, the others follow (default: 0, free ports the OS picks)"
     )
-    parser.add_argument("--model", default="cnn", help="model for ps-worker --model")
+    parser.add_argument(
+        "--model",
+        default="cnn",
+        help="model for ps-worker --model; 'recsys': the sparse-table demo instead (python -m worker.recsys: a "
+        "DLRM-style model on generated click logs, 2 shards and 2 workers in sync mode against local training)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args, extra = parser.parse_known_args(argv)
+    if args.model == "recsys":
+        from worker import recsys
+
+        return recsys.main(["--port", str(args.port), *(["--no-progress"] if args.no_progress else []), *extra])
 
     server_cmd = [
         sys.executable,

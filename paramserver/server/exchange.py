@@ -28,8 +28,9 @@ from typing import Protocol
 
 import numpy as np
 
-from paramserver.errors import PSError
+from paramserver.errors import MalformedStream, PSError
 from paramserver.shard.model import ShardModel
+from paramserver.shard.sparse import RowBlock, SparseIn
 from paramserver.shard.state import Shard
 from paramserver.transport import shm
 from paramserver.v1 import ps_pb2
@@ -107,11 +108,13 @@ class SegmentGradient(GradientSource):
 
 
 class PayloadGradient(GradientSource):
-    """A data-socket frame's payload: the pieces back to back in the request's dtype."""
+    """A data-socket frame's payload: the pieces back to back in the request's dtype, then the raw arrays of the
+    exchange's rows and lookup IDs (`raw`, filled in the same read)."""
 
-    def __init__(self, payload: Payload, dtype: int) -> None:
+    def __init__(self, payload: Payload, dtype: int, raw: Sequence[np.ndarray] = ()) -> None:
         self._payload = payload
         self._dtype = dtype
+        self._raw = raw
 
     @property
     def nbytes(self) -> int:
@@ -121,7 +124,7 @@ class PayloadGradient(GradientSource):
         self._payload.wait_arrival()  # a stalled small push then holds no scratch buffer
 
     def fill(self, model: ShardModel, grad: np.ndarray) -> None:
-        self._payload.read_into([grad], self._dtype)
+        self._payload.read_into([grad], self._dtype, self._raw)
         check_finite(model.views(grad), model.labels)
 
 
@@ -292,35 +295,70 @@ class ExchangeHandler:
         source: GradientSource | None,
         sink: WeightsSink | None,
         timeout: float,
+        sparse: SparseIn | None = None,
     ) -> ps_pb2.ExchangeResponse:
-        """Push through `source` (when given), then pull through `sink` (when given), waiting at most `timeout`
-        seconds and never longer than the shard's pull_timeout; return the reply. A sink's lent weights stay
-        lent until its `release` unless this raises."""
+        """Push through `source` (when given, with the row gradients of `sparse`), then pull through `sink` (when
+        given), then read the rows `sparse` looks up (into `sparse.answers`; the reply's `rows` name them), waiting
+        at most `timeout` seconds and never longer than the shard's pull_timeout; return the reply. A sink's lent
+        weights stay lent until its `release` unless this raises. The rows of `sparse` are received (inline, or
+        by the source's read of a frame's payload) but not yet checked: they are checked here, before anything
+        applies."""
         reply = ps_pb2.ExchangeResponse()
         metrics = self.shard.metrics
+        rows: list[RowBlock] = sparse.rows if sparse is not None else []
+        if rows and source is None:
+            raise MalformedStream("rows are pushed with a push: set push")
         if source is not None:
             if model is None:
                 raise ValueError("a push names its model: see ExchangeHandler.model")
-            reply.version, reply.applied = self._push(want, model, source)
-            metrics.bytes_in.inc(source.nbytes)
+            reply.version, reply.applied = self._push(want, model, source, rows)
+            metrics.bytes_in.inc(source.nbytes + sum(b.nbytes for b in rows))
             if not reply.applied:  # a retry of a push taken before: its version may be older than base + 1
                 want = dataclasses.replace(want, min_version=min(want.min_version, reply.version))
+        wait = _clamp(timeout, self.shard.config.pull_timeout)
         if sink is not None:
-            self._pull(want, sink, _clamp(timeout, self.shard.config.pull_timeout), reply)
+            self._pull(want, sink, wait, reply)
+        if sparse is not None and sparse.lookups:
+            try:
+                self._lookup(want, model, sparse, wait, reply)
+            except BaseException:
+                if sink is not None:
+                    sink.release()
+                raise
         return reply
 
-    def _push(self, want: Want, model: ShardModel, source: GradientSource) -> tuple[int, bool]:
+    def _push(
+        self, want: Want, model: ShardModel, source: GradientSource, rows: Sequence[RowBlock]
+    ) -> tuple[int, bool]:
         shard = self.shard
         if source.in_place:
             # The segment was found through the worker's live attachment, which checked the worker.
-            return shard.push(want.worker_id, want.step, want.base_version, source.region(model), model.digest)
+            region = source.region(model)
+            model.tables.check(rows)
+            return shard.push(want.worker_id, want.step, want.base_version, region, model.digest, rows=rows)
         # Before a scratch buffer is taken and the gradient received (Shard.push checks both again).
         shard.check_step(want.step)
         shard.check_worker(want.worker_id)
         source.ready()
         with shard.scratch() as grad:
             source.fill(model, grad)  # a refusal here changes nothing: the buffer is the pool's
-            return shard.push(want.worker_id, want.step, want.base_version, grad, model.digest, lent=True)
+            model.tables.check(rows)
+            return shard.push(want.worker_id, want.step, want.base_version, grad, model.digest, lent=True, rows=rows)
+
+    def _lookup(
+        self, want: Want, model: ShardModel | None, sparse: SparseIn, timeout: float, reply: ps_pb2.ExchangeResponse
+    ) -> None:
+        shard = self.shard
+        held = model if model is not None else shard.require_model(want.digest)
+        held.tables.check(sparse.lookups)
+        stale = bool(want.incarnation) and want.incarnation != shard.incarnation
+        min_version = 0 if stale else want.min_version
+        if reply.HasField("pulled"):
+            min_version = reply.pulled.version  # the rows of the weights' version, or a later one
+        reply.rows_version, sparse.answers = shard.lookup(sparse.lookups, min_version, timeout, want.worker_id)
+        for block in sparse.lookups:
+            reply.rows.add(table=block.table, count=len(block.ids))
+        shard.metrics.bytes_out.inc(sum(int(a.nbytes) for a in sparse.answers))
 
     def _pull(self, want: Want, sink: WeightsSink, timeout: float, reply: ps_pb2.ExchangeResponse) -> None:
         shard = self.shard

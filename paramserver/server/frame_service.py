@@ -7,9 +7,10 @@ from collections.abc import Callable
 
 from paramserver.errors import MalformedStream
 from paramserver.server.exchange import ExchangeHandler, LentWeights, PayloadGradient, Want, segment_route
+from paramserver.shard.sparse import MAX_ROWS_BYTES
 from paramserver.transport import shm
 from paramserver.v1 import ps_pb2
-from paramserver.wire.chunks import wire_dtype
+from paramserver.wire.chunks import FLOAT32, wire_dtype
 from paramserver.wire.frames import Payload, Reply
 
 
@@ -26,9 +27,16 @@ class FrameService:
         self.shard.attachments.verify(hello.worker_id, hello.shared_memory.name, hello.nonce, close)
 
     def payload_limit(self) -> int:
-        """The most payload bytes a data-socket frame may carry: the shard's part of the model in float32."""
+        """The most payload bytes a data-socket frame may carry: the shard's part of the model in float32, and
+        MAX_ROWS_BYTES of rows where the model has tables."""
         model = self.shard.model
-        return 0 if model is None else model.numel * 4
+        return 0 if model is None else model.numel * 4 + self.rows_payload_limit()
+
+    def rows_payload_limit(self) -> int:
+        """The most payload bytes a doorbell frame may carry (its dense part is in the segment): the rows and IDs
+        of a model with tables."""
+        model = self.shard.model
+        return MAX_ROWS_BYTES if model is not None and model.tables else 0
 
     def exchange(self, request: ps_pb2.ExchangeRequest, timeout: float, payload: Payload) -> Reply:
         """An Exchange from a doorbell or data-socket connection: through the worker's segment, or with the
@@ -38,18 +46,29 @@ class FrameService:
         model = self.handler.model(request.model_digest)
         if request.inline:
             raise MalformedStream("inline Exchanges go over gRPC; a data socket carries the tensors as payloads")
+        if any(e.ids or e.values for e in [*request.rows, *request.lookup]):
+            raise MalformedStream("rows in a frame travel in its payload, not in the message")
+        sparse = model.tables.plan(request.rows, request.lookup)
         attached = self.shard.attachments.get(request.worker_id, model)
         if isinstance(attached, shm.Segment):
-            if payload.size:
-                raise MalformedStream("the gradient of a worker with a segment travels in the segment, not the frame")
+            # The dense part travels in the segment; the payload holds the rows and IDs alone.
+            payload.read_into([], FLOAT32, sparse.targets())
             source, sink = segment_route(attached, request, model)
-            return Reply(self.handler.exchange(want, model, source, sink, timeout))
+            reply = self.handler.exchange(want, model, source, sink, timeout, sparse)
+            return Reply(reply, raw=sparse.answers)
         dtype = wire_dtype(request.dtype)
-        if not request.push and payload.size:
-            raise MalformedStream("an Exchange without push carries no gradient payload")
-        source = PayloadGradient(payload, dtype) if request.push else None
+        if request.push:
+            source = PayloadGradient(payload, dtype, sparse.targets())
+        else:
+            if payload.size != sparse.nbytes:
+                raise MalformedStream(
+                    f"an Exchange without push carries no gradient payload ({payload.size} bytes where its rows and "
+                    f"IDs take {sparse.nbytes})"
+                )
+            source = None
+            payload.read_into([], dtype, sparse.targets())  # a pull or lookup carries no gradient: IDs at most
         lent = LentWeights(dtype) if request.pull else None
-        reply = self.handler.exchange(want, model, source, lent, timeout)
+        reply = self.handler.exchange(want, model, source, lent, timeout, sparse)
         if lent is None:
-            return Reply(reply)
-        return Reply(reply, [lent.flat], dtype, release=lent.release)
+            return Reply(reply, raw=sparse.answers)
+        return Reply(reply, [lent.flat], dtype, raw=sparse.answers, release=lent.release)

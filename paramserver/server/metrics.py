@@ -9,9 +9,13 @@ compare the two (deploy/monitoring/alerts.yml).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _STALENESS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128)
@@ -66,6 +70,60 @@ def memory_limit() -> float:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return float("inf")
+
+
+class TableFigures(Protocol):
+    """What the metrics read of one sparse table (paramserver.shard.sparse.TableFigures)."""
+
+    @property
+    def rows(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def allocated_bytes(self) -> int: ...
+    @property
+    def rows_admitted(self) -> int: ...
+    @property
+    def rows_evicted(self) -> int: ...
+    @property
+    def ids_seen(self) -> int: ...
+
+
+class _TableCollector(Collector):
+    """Per-table figures, read from the tables at each scrape (labels: shard, table; tables are few and named by
+    the model)."""
+
+    def __init__(self, shard: str, tables: Callable[[], Sequence[tuple[str, TableFigures]]]) -> None:
+        self._shard = shard
+        self._tables = tables
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["shard", "table"]
+        rows = GaugeMetricFamily("paramserver_table_rows", "Rows a sparse table holds on this shard", labels=labels)
+        size = GaugeMetricFamily(
+            "paramserver_table_bytes",
+            "Bytes of a sparse table's rows as --max-table-bytes counts them (values, optimizer state, index)",
+            labels=labels,
+        )
+        allocated = GaugeMetricFamily(
+            "paramserver_table_allocated_bytes", "Memory allocated for a sparse table on this shard", labels=labels
+        )
+        admitted = CounterMetricFamily(
+            "paramserver_table_rows_admitted", "Rows made (IDs admitted) in a sparse table", labels=labels
+        )
+        evicted = CounterMetricFamily(
+            "paramserver_table_rows_evicted", "Rows dropped by eviction (age, capacity, memory cap)", labels=labels
+        )
+        seen = CounterMetricFamily("paramserver_table_ids_seen", "IDs in the updates of a sparse table", labels=labels)
+        for name, t in self._tables():
+            key = [self._shard, name]
+            rows.add_metric(key, t.rows)
+            size.add_metric(key, t.nbytes)
+            allocated.add_metric(key, t.allocated_bytes)
+            admitted.add_metric(key, t.rows_admitted)
+            evicted.add_metric(key, t.rows_evicted)
+            seen.add_metric(key, t.ids_seen)
+        yield from (rows, size, allocated, admitted, evicted, seen)
 
 
 class ShardMetrics:
@@ -133,6 +191,10 @@ class ShardMetrics:
         ).labels(s).set_function(memory_limit)
         ProcessCollector(registry=r)  # process_resident_memory_bytes and the other process_* metrics
         self._shard = s
+
+    def watch_tables(self, tables: Callable[[], Sequence[tuple[str, TableFigures]]]) -> None:
+        """Export the figures of the sparse tables `tables()` names at each scrape."""
+        self.registry.register(_TableCollector(self._shard, tables))
 
     def pushed(self, result: str) -> None:
         self.pushes.labels(self._shard, result).inc()

@@ -27,7 +27,9 @@ from paramserver.server.exchange import (
     segment_route,
 )
 from paramserver.shard.model import ShardModel
+from paramserver.shard.sparse import SparseIn
 from paramserver.shard.state import Shard
+from paramserver.tables import TableSpec, spec_from_proto, spec_to_proto
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire import bounds, codec
 from paramserver.wire.chunks import CHUNK_BYTES, ChunkReceiver, itemsize, wire_dtype
@@ -91,6 +93,14 @@ def specs_from_proto(specs: Iterable[ps_pb2.TensorSpec]) -> list[TensorSpec]:
             raise InvalidArgument("every tensor needs a name")
         out.append(TensorSpec(s.name, tuple(int(d) for d in s.shape), s.buffer))
     return out
+
+
+def tables_from_proto(tables: Iterable[ps_pb2.TableSpec]) -> list[TableSpec]:
+    """Convert wire table specs, refusing (InvalidArgument) values outside their ranges."""
+    try:
+        return [spec_from_proto(t) for t in tables]
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 @dataclass
@@ -176,6 +186,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 specs=[ps_pb2.TensorSpec(name=s.name, shape=s.shape, buffer=s.buffer) for s in d.specs],
                 version=d.version,
                 slice_elements=SLICE_ELEMENTS,
+                tables=[spec_to_proto(t) for t in d.tables],
             )
 
     def Join(self, request: ps_pb2.JoinRequest, context: grpc.ServicerContext) -> ps_pb2.JoinResponse:
@@ -210,6 +221,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     specs_from_proto(header.specs),
                     header.num_shards,
                     header.model_digest,
+                    tables_from_proto(header.tables),
                 )
                 stream.receive(model.views(model.params.numpy()), model.labels, header.dtype)
                 return ps_pb2.InitResponse(version=self.shard.commit_init(model))
@@ -242,7 +254,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             header = stream.header()
             want = Want(header.worker_id, header.model_digest, header.step, header.base_version)
             model = self.handler.model(header.model_digest)
-            reply = self.handler.exchange(want, model, StreamGradient(stream, header.dtype), None, 0.0)
+            sparse = self._inline_sparse(model, header.rows, ())
+            reply = self.handler.exchange(want, model, StreamGradient(stream, header.dtype), None, 0.0, sparse)
             return ps_pb2.PushResponse(version=reply.version, applied=reply.applied)
 
     def Attach(self, request: ps_pb2.AttachRequest, context: grpc.ServicerContext) -> ps_pb2.AttachResponse:
@@ -268,9 +281,33 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             model = self.handler.model(request.model_digest)
             if request.inline:
                 source, sink = self._inline_route(request, model)
-            else:
+            elif request.push or request.pull:
                 source, sink = segment_route(self.shard.attachments.segment(request.worker_id, model), request, model)
-            return self.handler.exchange(Want.of(request), model, source, sink, self._timeout(context))
+            else:
+                source, sink = None, None  # a lookup alone needs no segment
+            sparse = self._inline_sparse(model, request.rows, request.lookup)
+            reply = self.handler.exchange(Want.of(request), model, source, sink, self._timeout(context), sparse)
+            if sparse is not None:
+                sparse.answer_inline(reply)
+            return reply
+
+    def _inline_sparse(
+        self, model: ShardModel, rows: Sequence[ps_pb2.Rows], lookups: Sequence[ps_pb2.Rows]
+    ) -> SparseIn | None:
+        """The rows and lookups a gRPC message carries, received from its bytes (checked by the handler). Looked-up
+        rows that would not fit one reply message are refused (TooLarge) before anything is applied."""
+        if not rows and not lookups:
+            return None
+        sparse = model.tables.plan(rows, lookups)
+        answer = sum(b.ids.size * 4 * model.tables.specs[b.table].dim for b in sparse.lookups)
+        limit = self.shard.config.max_message_bytes
+        if answer + 64 * 1024 > limit:
+            raise TooLarge(
+                f"the rows looked up ({answer} bytes) would not fit one message of {limit} bytes (max_message_bytes): "
+                "look up fewer IDs per call"
+            )
+        sparse.fill_inline(rows, lookups)
+        return sparse
 
     def _inline_route(
         self, request: ps_pb2.ExchangeRequest, model: ShardModel

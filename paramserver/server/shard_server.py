@@ -148,6 +148,7 @@ class ShardServer:
                 frames.verify,
                 frames.exchange,
                 rejected,
+                payload_limit=frames.rows_payload_limit,
                 max_pending=c.max_pending_connections,
                 on_refused=functools.partial(self.shard.metrics.refused_connection, "doorbell"),
             )

@@ -12,6 +12,7 @@ up is reported and skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -27,6 +28,7 @@ import torch
 
 from paramserver.files import atomic_write
 from paramserver.placement import TensorSpec
+from paramserver.tables import TableSpec
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ class Snapshot:
     ever_full: bool = False
     applied: dict[str, list[int]] = field(default_factory=dict)  # worker id -> steps already applied
     finished_workers: int = 0  # workers that completed their training (exit_when_done counts them)
+    table_specs: tuple[TableSpec, ...] = ()  # the model's sparse tables
+    tables: list[dict[str, np.ndarray]] = field(default_factory=list)  # each table's rows (ShardTables.snapshot)
 
 
 def path_for(directory: Path, shard_index: int, version: int) -> Path:
@@ -99,6 +103,10 @@ def save(directory: str | Path, snap: Snapshot, keep: int = KEEP) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     opt_doc, opt_tensors = _tensor_entries(snap.optimizer_state)
     blobs = [snap.params.detach().contiguous(), *opt_tensors]
+    # Each table's arrays follow, in sorted key order; the header names them.
+    table_keys = [sorted(state) for state in snap.tables]
+    for state, keys in zip(snap.tables, table_keys, strict=True):
+        blobs += [torch.from_numpy(np.ascontiguousarray(state[k])) for k in keys]
     layout, offset = [], 0
     for t in blobs:
         nbytes = t.numel() * t.element_size()
@@ -119,6 +127,8 @@ def save(directory: str | Path, snap: Snapshot, keep: int = KEEP) -> Path:
             "ever_full": snap.ever_full,
             "applied": snap.applied,
             "finished_workers": snap.finished_workers,
+            "table_specs": [dataclasses.asdict(t) for t in snap.table_specs],
+            "tables": table_keys,
             "tensors": layout,
             "created": time.time(),
         }
@@ -184,8 +194,20 @@ def load(path: str | Path) -> Snapshot:
             if len(raw) != entry["nbytes"]:
                 raise CorruptCheckpoint(f"{path}: tensor bytes run past the end")
             dtype = _DTYPES[entry["dtype"]]
+            if not entry["nbytes"]:  # an empty array (a table's admission counts...): no bytes to view
+                tensors.append(torch.empty(entry["shape"], dtype=dtype))
+                continue
             arr = np.frombuffer(raw, dtype=np.uint8).copy()
             tensors.append(torch.from_numpy(arr).view(dtype).reshape(entry["shape"]))
+        # The tables' arrays are the last tensors; the optimizer's come before them.
+        table_keys = header.get("tables", [])  # absent from files of earlier versions
+        n_table = sum(len(keys) for keys in table_keys)
+        table_tensors = tensors[len(tensors) - n_table :] if n_table else []
+        tables, at = [], 0
+        for keys in table_keys:
+            tables.append({k: table_tensors[at + i].numpy() for i, k in enumerate(keys)})
+            at += len(keys)
+        opt_tensors = tensors[1 : len(tensors) - n_table]
         return Snapshot(
             shard_index=int(header["shard_index"]),
             num_shards=int(header["num_shards"]),
@@ -194,10 +216,12 @@ def load(path: str | Path) -> Snapshot:
             version=int(header["version"]),
             optimizer=str(header["optimizer"]),
             params=tensors[0],
-            optimizer_state=_rebuild(header["optimizer_state"], tensors[1:]),
+            optimizer_state=_rebuild(header["optimizer_state"], opt_tensors),
             ever_full=bool(header["ever_full"]),
             applied={str(k): [int(s) for s in v] for k, v in header["applied"].items()},
             finished_workers=int(header.get("finished_workers", 0)),  # absent from files of earlier versions
+            table_specs=tuple(TableSpec(**t) for t in header.get("table_specs", [])),
+            tables=tables,
         )
     except CorruptCheckpoint:
         raise

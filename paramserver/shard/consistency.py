@@ -8,7 +8,7 @@ raises before touching anything when it refuses a push, so a refused push change
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -17,6 +17,7 @@ from paramserver import modes
 from paramserver.config import ServerConfig
 from paramserver.errors import StaleRound
 from paramserver.shard.membership import Membership
+from paramserver.shard.sparse import RowBlock, ShardTables
 from paramserver.v1 import ps_pb2
 
 
@@ -30,12 +31,14 @@ class Applier(Protocol):
         self,
         grad: torch.Tensor,
         *,
+        rows: Sequence[RowBlock] = (),
         straggler: str | None = None,
         waited: float | None = None,
         staleness: int | None = None,
     ) -> None:
         """Apply one update with this flat gradient (the optimizer on parameters; buffer elements carry values, set
-        by the job's buffer rule) and bump the version (with what to record about it)."""
+        by the job's buffer rule) and these row gradients (each table's IDs unique), and bump the version (with
+        what to record about it)."""
 
     def keep_scratch(self, grad: torch.Tensor) -> bool:
         """Keep `grad`, a lent scratch buffer, until `release_scratch`; False: it may not, and must copy it."""
@@ -48,10 +51,19 @@ class Policy(Protocol):
     def reset(self, numel: int) -> None:
         """Forget any round in progress; the model now has `numel` elements."""
 
-    def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor, lent: bool = False) -> None:
-        """Take one worker's gradient computed on `base_version`; apply now or later. `lent`: `grad` is a scratch
-        buffer the policy may keep, through `shard.keep_scratch`, instead of copying it (and must then give back
-        through `shard.release_scratch` once done with it)."""
+    def submit(
+        self,
+        shard: Applier,
+        worker_id: str,
+        base_version: int,
+        grad: torch.Tensor,
+        lent: bool = False,
+        rows: Sequence[RowBlock] = (),
+    ) -> None:
+        """Take one worker's gradient (dense, and `rows`: its row gradients, which the policy may keep) computed on
+        `base_version`; apply now or later. `lent`: `grad` is a scratch buffer the policy may keep, through
+        `shard.keep_scratch`, instead of copying it (and must then give back through `shard.release_scratch` once
+        done with it)."""
 
     def membership_changed(self, shard: Applier) -> None:
         """React to a worker joining or leaving."""
@@ -94,13 +106,23 @@ class SyncPolicy:
         self._contributors: set[str] = set()
         self._last: str | None = None  # the latest contributor: the round's straggler when it closes
         self._opened = 0.0  # when the round's first gradient arrived
+        self._rows: list[RowBlock] = []  # the open round's row gradients, summed when it closes
 
     def reset(self, numel: int) -> None:
         self._numel = numel
         self._sum = self._own = None  # a kept buffer belonged to the scratch pool of the model replaced
         self._contributors = set()
+        self._rows = []
 
-    def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor, lent: bool = False) -> None:
+    def submit(
+        self,
+        shard: Applier,
+        worker_id: str,
+        base_version: int,
+        grad: torch.Tensor,
+        lent: bool = False,
+        rows: Sequence[RowBlock] = (),
+    ) -> None:
         if base_version != shard.version:
             raise StaleRound(
                 f"push computed on version {base_version}, but the shard is at version {shard.version}: "
@@ -114,7 +136,7 @@ class SyncPolicy:
         if not self._contributors and self._complete(shard, {worker_id}):
             # A round of this one gradient (one live worker): apply it as it is, sparing a copy into the sum.
             self._last = worker_id
-            shard.apply(grad, straggler=worker_id, waited=0.0)
+            shard.apply(grad, rows=rows, straggler=worker_id, waited=0.0)
             return
         if self._contributors:
             assert self._sum is not None
@@ -129,6 +151,7 @@ class SyncPolicy:
                 self._sum.copy_(grad)
             self._opened = time.monotonic()
         self._contributors.add(worker_id)
+        self._rows.extend(rows)
         self._last = worker_id
         self._close_if_complete(shard)
 
@@ -175,9 +198,11 @@ class SyncPolicy:
         assert total is not None
         if len(self._contributors) > 1:  # the mean of one gradient is itself: spare a pass over the buffer
             total.div_(len(self._contributors))
+        rows = ShardTables.combine(self._rows, len(self._contributors)) if self._rows else ()
         self._contributors = set()
+        self._rows = []
         try:
-            shard.apply(total, straggler=self._last, waited=time.monotonic() - self._opened)
+            shard.apply(total, rows=rows, straggler=self._last, waited=time.monotonic() - self._opened)
         finally:
             if total is not self._own:
                 shard.release_scratch(total)
@@ -208,9 +233,17 @@ class AsyncPolicy:
     def stable_for(self, shard: Applier, worker_id: str) -> bool:
         return False  # any other worker's push applies at once
 
-    def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor, lent: bool = False) -> None:
+    def submit(
+        self,
+        shard: Applier,
+        worker_id: str,
+        base_version: int,
+        grad: torch.Tensor,
+        lent: bool = False,
+        rows: Sequence[RowBlock] = (),
+    ) -> None:
         staleness = self._check(shard, base_version)
-        shard.apply(grad, staleness=staleness)
+        shard.apply(grad, rows=rows, staleness=staleness)
 
     def _check(self, shard: Applier, base_version: int) -> int:
         """Refuse a push that cannot apply (before anything changes); return its staleness."""
@@ -252,10 +285,18 @@ class SSPPolicy(AsyncPolicy):
     def reset(self, numel: int) -> None:
         self._clock = {}
 
-    def submit(self, shard: Applier, worker_id: str, base_version: int, grad: torch.Tensor, lent: bool = False) -> None:
+    def submit(
+        self,
+        shard: Applier,
+        worker_id: str,
+        base_version: int,
+        grad: torch.Tensor,
+        lent: bool = False,
+        rows: Sequence[RowBlock] = (),
+    ) -> None:
         staleness = self._check(shard, base_version)
         self._track(shard)
-        shard.apply(grad, staleness=staleness)
+        shard.apply(grad, rows=rows, staleness=staleness)
         self._clock[worker_id] = self._clock.get(worker_id, self._slowest()) + 1
 
     def may_pull(self, shard: Applier, worker_id: str) -> bool:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from paramserver.errors import AlreadyInitialized, InitInProgress, ModelMismatch
 from paramserver.placement import TensorSpec
 from paramserver.shard.model import ShardModel, build_model, place_init
+from paramserver.tables import TableSpec
 
 if TYPE_CHECKING:
     from paramserver.shard.state import Shard
@@ -39,10 +40,12 @@ class InitSlot:
         finally:
             self._slot.release()
 
-    def prepare(self, specs: Sequence[TensorSpec], num_shards: int, digest: str) -> ShardModel:
+    def prepare(
+        self, specs: Sequence[TensorSpec], num_shards: int, digest: str, tables: Sequence[TableSpec] = ()
+    ) -> ShardModel:
         """Check an Init header and return an unattached model to receive the initial values into."""
         shard = self._shard
-        placement = place_init(specs, num_shards, digest, len(shard.addresses))
+        placement = place_init(specs, num_shards, digest, len(shard.addresses), tables)
         self._check_not_held(digest)
         return build_model(placement, shard.index, shard.config)
 

@@ -15,6 +15,8 @@ from paramserver.errors import InvalidArgument, ModelMismatch, TooLarge
 from paramserver.placement import SLICE_ELEMENTS, Piece, Placement, TensorSpec, place
 from paramserver.shard import buffers
 from paramserver.shard.optimizers import make_optimizer
+from paramserver.shard.sparse import ShardTables
+from paramserver.tables import TableSpec
 
 
 def piece_label(piece: Piece, specs: dict[str, TensorSpec]) -> str:
@@ -35,6 +37,7 @@ class ShardModel:
     params: torch.Tensor  # flat float32, the pieces back to back
     optimizer: torch.optim.Optimizer
     buffers: buffers.Buffers  # which elements are buffers (none for most models), and the job's rule for them
+    tables: ShardTables  # this shard's rows of the model's sparse tables (none for a dense model)
 
     @property
     def digest(self) -> str:
@@ -53,7 +56,9 @@ class ShardModel:
         return [flat[o : o + p.length] for o, p in zip(self.offsets, self.pieces, strict=True)]
 
 
-def place_init(specs: Sequence[TensorSpec], num_shards: int, digest: str, job_shards: int) -> Placement:
+def place_init(
+    specs: Sequence[TensorSpec], num_shards: int, digest: str, job_shards: int, tables: Sequence[TableSpec] = ()
+) -> Placement:
     """Place the model an Init header describes, refusing a header that does not add up: another shard count
     than the job's, no tensors, tensors that cannot be placed, or a digest other than the one they give."""
     if num_shards != job_shards:
@@ -61,13 +66,14 @@ def place_init(specs: Sequence[TensorSpec], num_shards: int, digest: str, job_sh
     if not specs:
         raise InvalidArgument("the model has no tensors")
     try:
-        placement = place(specs, num_shards)
+        placement = place(specs, num_shards, tables=tables)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
     if placement.digest != digest:
         raise ModelMismatch(
             f"the Init header's model digest {digest[:12] or '(none)'} is not {placement.digest[:12]}, the digest of "
-            f"its own {len(specs)} tensors on {num_shards} shards (slices of {SLICE_ELEMENTS} elements): the worker "
+            f"its own {len(specs)} tensors and {len(tables)} tables on {num_shards} shards (slices of "
+            f"{SLICE_ELEMENTS} elements): the worker "
             "computed it over other tensor names, shapes, order or shard count, or not as "
             "protos/paramserver/v1/SPEC.md (section 2) defines it"
         )
@@ -96,4 +102,5 @@ def build_model(placement: Placement, index: int, config: ServerConfig) -> Shard
         buffers.Buffers(
             buffers.ranges(pieces, offsets, placement.specs), buffers.rule(config.buffers), config.buffer_momentum
         ),
+        ShardTables(placement.tables, index, placement.num_shards, config),
     )

@@ -87,6 +87,8 @@ def snapshot(shard: Shard) -> checkpoint.Snapshot:
         ever_full=shard.membership.ever_full,
         applied=shard.applied.dump(),
         finished_workers=shard.finished_workers,
+        table_specs=model.placement.tables,
+        tables=model.tables.snapshot(),
     )
 
 
@@ -111,11 +113,12 @@ def restored(
             f"the checkpoint in {config.checkpoint_dir} holds {snap.optimizer} state, but this shard runs "
             f"--optimizer {config.optimizer}; use the same optimizer or another --checkpoint-dir"
         )
-    placement = place(snap.specs, snap.num_shards)
+    placement = place(snap.specs, snap.num_shards, tables=snap.table_specs)
     if placement.digest != snap.digest:
         raise ValueError(f"the checkpoint of shard {index} does not match its own placement digest")
     model = build_model(placement, index, config)
     model.params.copy_(snap.params)
     model.optimizer.load_state_dict(snap.optimizer_state)
+    model.tables.restore(snap.tables)
     take_run_settings(model.optimizer, config)  # the flags of this run win over the saved hyperparameters
     return model, snap

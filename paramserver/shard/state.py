@@ -40,7 +40,9 @@ from paramserver.shard.membership import AppliedLog, Membership
 from paramserver.shard.model import ShardModel, piece_label
 from paramserver.shard.optimizers import make_optimizer, warm_up_optimizer
 from paramserver.shard.pool import BufferPool
+from paramserver.shard.sparse import RowBlock
 from paramserver.shard.status import ShardStats, ShardStatus
+from paramserver.tables import TableSpec
 from paramserver.transport import shm
 
 # Where these lived before the shard was split by concern; imported from here by tests and tools.
@@ -80,6 +82,7 @@ class Shard:
         self.finished_workers = 0
         self.done = threading.Event()  # set once every worker of the job finished and none is live
         self.metrics = ShardMetrics(index)
+        self.metrics.watch_tables(lambda: self.model.tables.figures() if self.model is not None else [])
         self.attachments = Attachments(self, self._cond)  # each worker's segment or data-socket ticket
         # A new value each time a shard process starts: versions a worker waits for refer to one incarnation.
         self.incarnation = uuid.uuid4().hex
@@ -148,9 +151,11 @@ class Shard:
 
     # -- init and restore --------------------------------------------------------------------------------------
 
-    def prepare_init(self, specs: Sequence[TensorSpec], num_shards: int, digest: str) -> ShardModel:
+    def prepare_init(
+        self, specs: Sequence[TensorSpec], num_shards: int, digest: str, tables: Sequence[TableSpec] = ()
+    ) -> ShardModel:
         """Check an Init header and return an unattached model to receive the initial values into."""
-        return self.init_slot.prepare(specs, num_shards, digest)
+        return self.init_slot.prepare(specs, num_shards, digest, tables)
 
     def initialising(self) -> contextlib.AbstractContextManager[None]:
         """Hold the shard's one Init slot (InitInProgress while another worker's Init runs)."""
@@ -208,10 +213,18 @@ class Shard:
             yield buf
 
     def push(
-        self, worker_id: str, step: int, base_version: int, grad: np.ndarray, digest: str, lent: bool = False
+        self,
+        worker_id: str,
+        step: int,
+        base_version: int,
+        grad: np.ndarray,
+        digest: str,
+        lent: bool = False,
+        rows: Sequence[RowBlock] = (),
     ) -> tuple[int, bool]:
-        """Hand a validated gradient to the consistency policy; return (version, applied). `lent`: the gradient is
-        in a buffer lent by `scratch()`, which the policy may keep (see `keep_scratch`)."""
+        """Hand a validated gradient (and validated row gradients, see ShardTables.check) to the consistency
+        policy; return (version, applied). `lent`: the gradient is in a buffer lent by `scratch()`, which the
+        policy may keep (see `keep_scratch`)."""
         with self._cond:
             model = self.require_model(digest)
             if grad.shape != (model.numel,):
@@ -224,8 +237,9 @@ class Shard:
                 # The version a pull must wait for to include the push taken before: the next one while its
                 # round is open, else this one.
                 return self.version + self.policy.pending(worker_id), False
+            model.tables.check_room(rows)
             try:
-                self.policy.submit(self, worker_id, base_version, torch.from_numpy(grad), lent=lent)
+                self.policy.submit(self, worker_id, base_version, torch.from_numpy(grad), lent=lent, rows=rows)
             except StaleRound:
                 self.stats.late_pushes += 1
                 raise
@@ -258,16 +272,19 @@ class Shard:
         self,
         grad: torch.Tensor,
         *,
+        rows: Sequence[RowBlock] = (),
         straggler: str | None = None,
         waited: float | None = None,
         staleness: int | None = None,
     ) -> None:
-        """Apply one update with a flat gradient (its buffer elements carry values: see ShardModel.step); called by
-        the policy under the lock."""
+        """Apply one update with a flat gradient (its buffer elements carry values: see ShardModel.step) and row
+        gradients; called by the policy under the lock."""
         model = self.model
         assert model is not None
         started = time.perf_counter()
         model.step(grad)
+        if model.tables:
+            model.tables.apply(rows, self.version + 1)
         self.version += 1
         self._cond.notify_all()
         m = self.metrics
@@ -312,6 +329,14 @@ class Shard:
                 version = self.version  # at least min_version: versions only grow
                 np.copyto(buf, model.params.numpy())
             yield version, model, buf
+
+    def lookup(
+        self, blocks: Sequence[RowBlock], min_version: int, timeout: float, worker_id: str = ""
+    ) -> tuple[int, list[np.ndarray]]:
+        """Wait like `wait_for`, then read the rows of each block's IDs, all of one version; return it and them."""
+        with self._cond:
+            version, model = self._wait_locked(min_version, timeout, worker_id)
+            return version, model.tables.lookup(blocks)
 
     def pull_into(self, dst: np.ndarray, min_version: int, timeout: float, worker_id: str = "") -> int:
         """Wait like `wait_for`, then copy the weights into `dst` under the lock (one consistent version)."""

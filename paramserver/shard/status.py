@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from paramserver.placement import TensorSpec
+from paramserver.tables import TableSpec
 
 if TYPE_CHECKING:
     from paramserver.shard.state import Shard
@@ -34,6 +35,8 @@ class ShardStatus:
     version: int
     live_workers: int
     stats: ShardStats
+    tables: tuple[TableSpec, ...] = ()
+    table_rows: tuple[int, ...] = ()  # rows this shard holds, per table
 
 
 def describe(shard: Shard) -> ShardStatus:
@@ -46,6 +49,8 @@ def describe(shard: Shard) -> ShardStatus:
         version=shard.version,
         live_workers=len(shard.membership.live),
         stats=dataclasses.replace(shard.stats),
+        tables=model.placement.tables if model else (),
+        table_rows=tuple(t.rows for t in model.tables.tables) if model else (),
     )
 
 
@@ -59,4 +64,5 @@ def state_bytes(shard: Shard) -> bytes:
             for key in sorted(state):
                 value = state[key]
                 parts.append(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
+        parts.append(shard.model.tables.state_bytes())
     return b"|".join(parts)

@@ -33,6 +33,7 @@ from paramserver.wire.frames import (
     payload_bytes,
     recv_arrays,
     recv_exact,
+    recv_raw,
     send_frame,
 )
 
@@ -112,20 +113,25 @@ class FrameClient:
         timeout: float,
         arrays: Sequence[np.ndarray] = (),
         dtype: int = FLOAT32,
+        raw: Sequence[np.ndarray] = (),
     ) -> None:
-        """Ring: send one request, with `arrays` as its payload in `dtype`; `receive` its answer before sending
-        another."""
+        """Ring: send one request, with `arrays` as its payload in `dtype` and then the `raw` arrays as they are
+        (sparse rows and IDs); `receive` its answer before sending another."""
         self._sock.settimeout(timeout + 5.0)  # the shard gives up at `timeout`; the socket a little later
         body = request.SerializeToString()
-        send_frame(self._sock, REQUEST.pack(len(body), timeout, payload_bytes(arrays, dtype)) + body, arrays, dtype)
+        size = payload_bytes(arrays, dtype, raw)
+        send_frame(self._sock, REQUEST.pack(len(body), timeout, size) + body, arrays, dtype, raw)
 
     def drain(self, below: int, limit: float) -> None:
         """Wait until fewer than `below` bytes sent are still unacknowledged by the shard (see `drain`)."""
         drain(self._sock, below, limit)
 
-    def receive(self, targets: Sequence[np.ndarray] = (), dtype: int = FLOAT32) -> ps_pb2.ExchangeResponse:
-        """The answer to the last `send` (its payload written into `targets`), or the PSError the shard refused
-        it with. A payload of another size than the targets' raises MalformedStream and ends the connection."""
+    def receive(
+        self, targets: Sequence[np.ndarray] = (), dtype: int = FLOAT32, raw: Sequence[np.ndarray] = ()
+    ) -> ps_pb2.ExchangeResponse:
+        """The answer to the last `send` (its payload written into `targets`, then into the `raw` arrays as it
+        is), or the PSError the shard refused it with. A payload of another size than the targets' raises
+        MalformedStream and ends the connection."""
         head = recv_exact(self._sock, REPLY.size)
         if head is None:
             raise ConnectionError(f"shard {self.shard} closed the connection")
@@ -148,12 +154,12 @@ class FrameClient:
             name = body[2 : 2 + n].decode(errors="replace")
             raise from_status(code, body[2 + n :].decode(errors="replace"), name, self.shard)
         reply = ps_pb2.ExchangeResponse.FromString(body[1:])
-        if size != payload_bytes(targets, dtype):
+        expected = payload_bytes(targets, dtype, raw)
+        if size != expected:
             self.close()
-            raise MalformedStream(
-                f"shard {self.shard} sent {size} payload bytes for {payload_bytes(targets, dtype)} expected"
-            )
+            raise MalformedStream(f"shard {self.shard} sent {size} payload bytes for {expected} expected")
         recv_arrays(self._sock, targets, dtype)
+        recv_raw(self._sock, raw)
         if size:
             check_end(self._sock, crc)  # ConnectionError: out of step (the targets then hold bytes not to be used)
         return reply

@@ -290,12 +290,12 @@ class FrameServer:
         body, reply = self._answer(worker_id, request, timeout, payload)
         try:
             payload.finish()
-            if reply is None or not reply.arrays:
+            if reply is None or not (reply.arrays or reply.raw):
                 send_reply(conn, body)  # a few bytes: into the socket's buffer at once
                 return
             # Weights lent until sent: a peer that does not take them loses its connection at the deadline.
-            self._until(conn, FRAME_FLOOR_S + payload_bytes(reply.arrays, reply.dtype) / MIN_BYTES_PER_S)
-            send_reply(conn, body, reply.arrays, reply.dtype)
+            self._until(conn, FRAME_FLOOR_S + payload_bytes(reply.arrays, reply.dtype, reply.raw) / MIN_BYTES_PER_S)
+            send_reply(conn, body, reply.arrays, reply.dtype, reply.raw)
             unwatch()
         finally:
             if reply is not None and reply.release is not None:

@@ -48,6 +48,48 @@ class TensorSpec(_message.Message):
     buffer: bool
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., buffer: _Optional[bool] = ...) -> None: ...
 
+class TableSpec(_message.Message):
+    __slots__ = ("name", "dim", "num_embeddings", "init", "init_scale", "seed", "optimizer", "lr", "admit_after", "admit_probability", "evict_after_versions", "evict_after_seconds", "capacity")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    NUM_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    INIT_FIELD_NUMBER: _ClassVar[int]
+    INIT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    EVICT_AFTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICT_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dim: int
+    num_embeddings: int
+    init: str
+    init_scale: float
+    seed: int
+    optimizer: str
+    lr: float
+    admit_after: int
+    admit_probability: float
+    evict_after_versions: int
+    evict_after_seconds: float
+    capacity: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., num_embeddings: _Optional[int] = ..., init: _Optional[str] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., admit_after: _Optional[int] = ..., admit_probability: _Optional[float] = ..., evict_after_versions: _Optional[int] = ..., evict_after_seconds: _Optional[float] = ..., capacity: _Optional[int] = ...) -> None: ...
+
+class Rows(_message.Message):
+    __slots__ = ("table", "count", "ids", "values")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    table: int
+    count: int
+    ids: bytes
+    values: bytes
+    def __init__(self, table: _Optional[int] = ..., count: _Optional[int] = ..., ids: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
+
 class Piece(_message.Message):
     __slots__ = ("name", "start", "length")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -87,7 +129,7 @@ class GetTopologyRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Topology(_message.Message):
-    __slots__ = ("shards", "shard_index", "job", "initialized", "model_digest", "specs", "version", "slice_elements")
+    __slots__ = ("shards", "shard_index", "job", "initialized", "model_digest", "specs", "version", "slice_elements", "tables")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +138,7 @@ class Topology(_message.Message):
     SPECS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SLICE_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedScalarFieldContainer[str]
     shard_index: int
     job: JobInfo
@@ -104,7 +147,8 @@ class Topology(_message.Message):
     specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     version: int
     slice_elements: int
-    def __init__(self, shards: _Optional[_Iterable[str]] = ..., shard_index: _Optional[int] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., initialized: _Optional[bool] = ..., model_digest: _Optional[str] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[int] = ..., slice_elements: _Optional[int] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., shard_index: _Optional[int] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., initialized: _Optional[bool] = ..., model_digest: _Optional[str] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[int] = ..., slice_elements: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("worker_id", "job_name")
@@ -153,18 +197,20 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class InitHeader(_message.Message):
-    __slots__ = ("worker_id", "specs", "num_shards", "model_digest", "dtype")
+    __slots__ = ("worker_id", "specs", "num_shards", "model_digest", "dtype", "tables")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SPECS_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     num_shards: int
     model_digest: str
     dtype: DType
-    def __init__(self, worker_id: _Optional[str] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_shards: _Optional[int] = ..., model_digest: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    def __init__(self, worker_id: _Optional[str] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_shards: _Optional[int] = ..., model_digest: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
 
 class InitMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -211,18 +257,20 @@ class PullMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "step", "base_version", "model_digest", "dtype")
+    __slots__ = ("worker_id", "step", "base_version", "model_digest", "dtype", "rows")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     step: int
     base_version: int
     model_digest: str
     dtype: DType
-    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., model_digest: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[Rows]
+    def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., model_digest: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., rows: _Optional[_Iterable[_Union[Rows, _Mapping]]] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -275,7 +323,7 @@ class AttachResponse(_message.Message):
     def __init__(self, doorbell: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
-    __slots__ = ("worker_id", "model_digest", "push", "step", "base_version", "pull", "min_version", "incarnation", "inline", "dtype", "chunks")
+    __slots__ = ("worker_id", "model_digest", "push", "step", "base_version", "pull", "min_version", "incarnation", "inline", "dtype", "chunks", "rows", "lookup")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +335,8 @@ class ExchangeRequest(_message.Message):
     INLINE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_digest: str
     push: bool
@@ -298,16 +348,22 @@ class ExchangeRequest(_message.Message):
     inline: bool
     dtype: DType
     chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
-    def __init__(self, worker_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., push: _Optional[bool] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., pull: _Optional[bool] = ..., min_version: _Optional[int] = ..., incarnation: _Optional[str] = ..., inline: _Optional[bool] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[Rows]
+    lookup: _containers.RepeatedCompositeFieldContainer[Rows]
+    def __init__(self, worker_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., push: _Optional[bool] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., pull: _Optional[bool] = ..., min_version: _Optional[int] = ..., incarnation: _Optional[str] = ..., inline: _Optional[bool] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., rows: _Optional[_Iterable[_Union[Rows, _Mapping]]] = ..., lookup: _Optional[_Iterable[_Union[Rows, _Mapping]]] = ...) -> None: ...
 
 class ExchangeResponse(_message.Message):
-    __slots__ = ("version", "applied", "pulled", "chunks")
+    __slots__ = ("version", "applied", "pulled", "chunks", "rows", "rows_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     PULLED_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     applied: bool
     pulled: PullHeader
     chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
-    def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., pulled: _Optional[_Union[PullHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[Rows]
+    rows_version: int
+    def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., pulled: _Optional[_Union[PullHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., rows: _Optional[_Iterable[_Union[Rows, _Mapping]]] = ..., rows_version: _Optional[int] = ...) -> None: ...

@@ -21,7 +21,9 @@ has no checksum of its own (TCP's, and TLS's MAC where TLS is on, cover it): a C
 cost more than the exchange.
 
 A payload is the shard's pieces back to back (see Placement), in the dtype the ExchangeRequest names: the gradient
-on a push, the weights on a pull's reply. A shard refuses a payload of the wrong size (and reads it to the end, so
+on a push, the weights on a pull's reply; then, raw, the arrays of the sparse rows the message names (a request's
+`rows`: each entry's int64 IDs then its float32 values; then each `lookup` entry's IDs; a reply's `rows`: each
+entry's float32 values). A shard refuses a payload of the wrong size (and reads it to the end, so
 the connection stays in step); a frame it cannot parse ends the connection. A message with a field past its bound
 in ps.proto is refused INVALID_ARGUMENT (OutOfBounds): after a hello the connection then ends, after an Exchange it
 goes on.
@@ -107,22 +109,41 @@ def check_end(sock: socket.socket, crc: int) -> None:
         raise ConnectionError("a frame's end marker does not match: the stream is out of step")
 
 
-def payload_bytes(arrays: Sequence[np.ndarray], dtype: int) -> int:
-    """The payload length of these float32 arrays in a wire dtype."""
-    return sum(len(a) for a in arrays) * itemsize(dtype)
+def payload_bytes(arrays: Sequence[np.ndarray], dtype: int, raw: Sequence[np.ndarray] = ()) -> int:
+    """The payload length of these float32 arrays in a wire dtype, and of the raw arrays after them."""
+    return sum(len(a) for a in arrays) * itemsize(dtype) + sum(int(r.nbytes) for r in raw)
 
 
-def send_frame(sock: socket.socket, head: bytes, arrays: Sequence[np.ndarray] = (), dtype: int = FLOAT32) -> None:
-    """Send a frame: its header and message (`head`), then `arrays` as its payload in `dtype`, then its end. A
-    payload of at most 1 MiB goes out in the same system call as the head (scatter-gather, no copy), so the peer
-    wakes once per frame, not twice; a larger one follows it (`send_arrays`)."""
+def _bytes_of(array: np.ndarray) -> memoryview:
+    return np.ascontiguousarray(array).data.cast("B")
+
+
+def send_frame(
+    sock: socket.socket,
+    head: bytes,
+    arrays: Sequence[np.ndarray] = (),
+    dtype: int = FLOAT32,
+    raw: Sequence[np.ndarray] = (),
+) -> None:
+    """Send a frame: its header and message (`head`), then `arrays` as its payload in `dtype` and the `raw` arrays
+    as they are, then its end. A payload of at most 1 MiB goes out in the same system call as the head
+    (scatter-gather, no copy), so the peer wakes once per frame, not twice; a larger one follows it
+    (`send_arrays`)."""
     end = end_of(head)
-    if payload_bytes(arrays, dtype) > CHUNK_BYTES:
+    if payload_bytes(arrays, dtype, raw) > CHUNK_BYTES:
         sock.sendall(head)
         send_arrays(sock, arrays, dtype)
+        for r in raw:
+            if r.nbytes:
+                sock.sendall(_bytes_of(r))
         sock.sendall(end)
         return
-    parts = [memoryview(head), *(data for _, _, data in iter_chunks(arrays, dtype, CHUNK_BYTES)), memoryview(end)]
+    parts = [
+        memoryview(head),
+        *(data for _, _, data in iter_chunks(arrays, dtype, CHUNK_BYTES)),
+        *(_bytes_of(r) for r in raw if r.nbytes),
+        memoryview(end),
+    ]
     if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS: one record stream, one copy of a small frame
         sock.sendall(b"".join(parts))
         return
@@ -140,6 +161,13 @@ def send_arrays(sock: socket.socket, arrays: Sequence[np.ndarray], dtype: int) -
     chunk = _SEND_CHUNK if dtype == FLOAT32 else CHUNK_BYTES
     for _, _, data in iter_chunks(arrays, dtype, chunk, reuse=True):
         sock.sendall(data)
+
+
+def recv_raw(sock: socket.socket, targets: Sequence[np.ndarray]) -> None:
+    """Receive the raw part of a payload straight into the (C-contiguous) target arrays' memory, in order."""
+    for t in targets:
+        if t.nbytes and not recv_into(sock, t.data.cast("B")):
+            raise ConnectionError("payload cut off")
 
 
 def recv_arrays(sock: socket.socket, targets: Sequence[np.ndarray], dtype: int) -> None:
@@ -218,18 +246,21 @@ class Payload:
             time.sleep(min(nap, left))
             nap = min(2 * nap, 0.05)
 
-    def read_into(self, targets: Sequence[np.ndarray], dtype: int) -> None:
-        """Receive the payload into float32 targets and check the frame's end; MalformedStream (nothing read)
-        unless the payload is their size, ConnectionError if the end does not match (the stream is out of step:
-        the targets then hold bytes that must not be used)."""
-        expected = payload_bytes(targets, dtype)
+    def read_into(self, targets: Sequence[np.ndarray], dtype: int, raw: Sequence[np.ndarray] = ()) -> None:
+        """Receive the payload into float32 targets (then into the `raw` arrays, as they are) and check the frame's
+        end; MalformedStream (nothing read) unless the payload is their size, ConnectionError if the end does not
+        match (the stream is out of step: the targets then hold bytes that must not be used)."""
+        expected = payload_bytes(targets, dtype, raw)
         if self.size != expected:
             raise MalformedStream(
-                f"a payload of {self.size} bytes where this shard's part of the model takes {expected} "
-                f"(pieces back to back, in the request's dtype)"
+                f"a payload of {self.size} bytes where this exchange takes {expected} (this shard's pieces back to "
+                f"back in the request's dtype, then the rows and IDs the message names)"
             )
+        if self._read:  # an empty payload, whose end was checked already (`finish`)
+            return
         self._read = True
         recv_arrays(self._sock, targets, dtype)
+        recv_raw(self._sock, raw)
         self._ended()
 
     def finish(self) -> None:
@@ -249,6 +280,7 @@ class Reply:
     message: ps_pb2.ExchangeResponse
     arrays: Sequence[np.ndarray] = field(default_factory=list)
     dtype: int = FLOAT32
+    raw: Sequence[np.ndarray] = field(default_factory=list)  # sent as they are after `arrays`: looked-up rows
     release: Callable[[], object] | None = None  # called once the arrays are sent (or the send failed)
 
 
@@ -264,8 +296,14 @@ def error_body(status: Status) -> bytes:
     return bytes([status.code.value[0], len(name)]) + name + status.details.encode()
 
 
-def send_reply(sock: socket.socket, body: bytes, arrays: Sequence[np.ndarray] = (), dtype: int = FLOAT32) -> None:
-    send_frame(sock, REPLY.pack(len(body), payload_bytes(arrays, dtype)) + body, arrays, dtype)
+def send_reply(
+    sock: socket.socket,
+    body: bytes,
+    arrays: Sequence[np.ndarray] = (),
+    dtype: int = FLOAT32,
+    raw: Sequence[np.ndarray] = (),
+) -> None:
+    send_frame(sock, REPLY.pack(len(body), payload_bytes(arrays, dtype, raw)) + body, arrays, dtype, raw)
 
 
 # The frames' messages, decoded and checked against the bounds of ps.proto as the gRPC requests are.

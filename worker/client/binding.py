@@ -10,12 +10,13 @@ model may be using until it has completed.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from paramserver.placement import Placement
+from worker.sparse import SparseEmbedding
 
 
 class TensorDict(dict[str, torch.Tensor]):
@@ -39,6 +40,7 @@ class Binding:
     placement: Placement
     host: list[torch.Tensor | None]  # a CPU float32 mirror for buffers and tensors that are not CPU-contiguous
     largest_part: int = 0  # elements of the largest shard's part
+    tables: list[SparseEmbedding] = field(default_factory=list)  # the model's sparse tables, placement.tables' order
 
     def __post_init__(self) -> None:
         self.buffer = [s.buffer for s in self.placement.specs]

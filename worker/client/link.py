@@ -32,11 +32,12 @@ from paramserver.errors import (
     UnknownWorker,
     from_rpc_error,
 )
+from paramserver.tables import spec_to_proto
 from paramserver.transport import shm
 from paramserver.transport.socket_client import FrameClient, split_host
 from paramserver.v1 import ps_pb2
 from worker.client.binding import Binding
-from worker.client.transports import Answer, DataSocket, Grpc, Job, SharedMemory, Transport, Turns
+from worker.client.transports import Answer, DataSocket, Grpc, Job, SharedMemory, SparseJob, Transport, Turns
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class ShardLink:
             num_shards=b.placement.num_shards,
             model_digest=b.digest,
             dtype=ps_pb2.FLOAT32,
+            tables=[spec_to_proto(t) for t in b.placement.tables],
         )
         try:
             self.call(lambda: self.rpc.init(header, b.views(k, b.weights_now()), self._session.timeout))
@@ -174,9 +176,17 @@ class ShardLink:
     # -- exchanges ---------------------------------------------------------------------------------------------
 
     def begin(
-        self, b: Binding, grads: list[np.ndarray] | None, step: int, flats: list[np.ndarray] | None, turns: Turns
+        self,
+        b: Binding,
+        grads: list[np.ndarray] | None,
+        step: int,
+        flats: list[np.ndarray] | None,
+        turns: Turns,
+        sparse: SparseJob | None = None,
     ) -> Callable[[], int]:
-        """Begin this shard's part of an exchange; return what waits for it and returns the shard's version."""
+        """Begin this shard's part of an exchange (with `sparse`: rows pushed with the gradient, rows looked up);
+        return what waits for it and returns the shard's version (of the weights pulled, else of the rows looked
+        up, else after the push)."""
         try:
             transport = self._transport_for(b)
         except BaseException:
@@ -195,7 +205,7 @@ class ShardLink:
             incarnation=self.incarnation,
             dtype=s.dtype,
         )
-        job = Job(request, b, self.index, self.address, grads, flats, turns, s.timeout)
+        job = Job(request, b, self.index, self.address, grads, flats, turns, s.timeout, sparse)
         answer: Answer = transport.begin(job)
 
         def finish() -> int:
@@ -205,7 +215,7 @@ class ShardLink:
                 # the shard names.
                 self._min_next = base + 1 if reply.applied else int(reply.version)
             if not pulled:
-                return int(reply.version)
+                return int(reply.version if pushed else reply.rows_version)
             # (The transport checked reply.pulled's model before it wrote the weights: Job.check.)
             if reply.pulled.incarnation != self.incarnation:
                 self.incarnation = reply.pulled.incarnation

@@ -28,12 +28,14 @@ from paramserver.errors import JobFull, PSError, PullTimeout, UnknownWorker, Unr
 from paramserver.modes import mode_name
 from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
 from paramserver.security import channel_credentials, client_ssl_context, open_channel
+from paramserver.tables import shard_of
 from paramserver.transport import shm
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire.chunks import CHUNK_BYTES, itemsize, wire_dtype
 from worker.client.binding import Binding, Tensors, tensors_of
 from worker.client.link import CONNECT_S, Session, ShardLink
-from worker.client.transports import INLINE_BYTES, NO_TURNS, Turns
+from worker.client.transports import INLINE_BYTES, NO_TURNS, SparseJob, TableRows, Turns
+from worker.sparse import tables_of
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,18 @@ def _why_unreachable(err: grpc.RpcError) -> str:
     reason = detail.rsplit(": ", 1)[-1].strip(" []()") if detail else ""
     reason = reason or "unavailable"
     return reason[:1].lower() + reason[1:]
+
+
+class _Rows:
+    """A registered SparseEmbedding's view of its client: lookups of its table (see worker.sparse.RowSource)."""
+
+    def __init__(self, client: PSClient, binding: Binding, table: int) -> None:
+        self._client = client
+        self._binding = binding
+        self._table = table
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        return self._client._lookup(self._binding, self._table, ids)
 
 
 def _begin_and_wait(start: Callable[[ShardLink], Callable[[], T]], link: ShardLink) -> T:
@@ -316,14 +330,17 @@ class PSClient:
         ):
             return b
         specs = [TensorSpec(n, tuple(t.shape), is_b) for n, t, is_b in zip(names, tensors, buffer, strict=True)]
-        placement = place(specs, len(self.links), int(self.topology.slice_elements) or SLICE_ELEMENTS)
+        tables = tables_of(obj) if isinstance(obj, torch.nn.Module) else []
+        table_specs = [module.spec(name or "table") for name, module in tables]
+        slice_elements = int(self.topology.slice_elements) or SLICE_ELEMENTS
+        placement = place(specs, len(self.links), slice_elements, table_specs)
         host = [
             None
             if (t.device.type == "cpu" and t.is_contiguous() and not is_b)
             else torch.empty(t.numel(), dtype=torch.float32, pin_memory=t.device.type == "cuda")
             for t, is_b in zip(tensors, buffer, strict=True)
         ]
-        b = Binding(names, tensors, placement, host)
+        b = Binding(names, tensors, placement, host, tables=[module for _, module in tables])
         self._bindings[id(obj)] = b
         return b
 
@@ -340,7 +357,62 @@ class PSClient:
         b = self._bind(obj)
         self._each(lambda link: link.init(b))
         self._session.registered = b
+        for index, module in enumerate(b.tables):
+            module.attach(_Rows(self, b, index))
         return self.pull(obj)
+
+    def lookup(self, obj: Tensors, table: int, ids: np.ndarray) -> np.ndarray:
+        """The current rows of table `table` (its index among the model's SparseEmbedding modules) for these unique
+        int64 IDs, float32 [len(ids), dim], each from the shard that holds it, all shards at once. A SparseEmbedding
+        of a registered model calls this in its forward pass."""
+        return self._lookup(self._bind(obj), table, ids)
+
+    def _lookup(self, b: Binding, table: int, ids: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        dim = b.placement.tables[table].dim
+        out = np.empty((len(ids), dim), dtype=np.float32)
+        if not len(ids):
+            return out
+        parts = self._by_shard(ids)
+        jobs: list[SparseJob | None] = []
+        for where in parts:
+            if where is None:
+                jobs.append(None)
+            else:
+                jobs.append(SparseJob([], [TableRows(table, ids[where], out=np.empty((len(where), dim), np.float32))]))
+        busy = [link for link, job in zip(self.links, jobs, strict=True) if job is not None]
+        self._fan_out(lambda link: link.begin(b, None, 0, None, NO_TURNS, jobs[link.index]), busy)
+        for where, job in zip(parts, jobs, strict=True):
+            if where is not None and job is not None:
+                out[where] = job.lookups[0].out
+        return out
+
+    def _by_shard(self, ids: np.ndarray) -> list[np.ndarray | None]:
+        """The positions of the IDs each shard holds (None where it holds none of them)."""
+        if len(self.links) == 1:
+            return [np.arange(len(ids))]
+        owner = shard_of(ids, len(self.links))
+        order = np.argsort(owner, kind="stable")
+        bounds = np.searchsorted(owner[order], np.arange(len(self.links) + 1))
+        return [order[lo:hi] if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+
+    def _row_jobs(self, b: Binding) -> list[SparseJob | None] | None:
+        """Each shard's rows of the row gradients the model's tables gathered since the last push (None: no
+        table has any)."""
+        jobs: list[SparseJob | None] = [None] * len(self.links)
+        found = False
+        for index, module in enumerate(b.tables):
+            taken = module.take_gradients()
+            if taken is None:
+                continue
+            ids, grads = taken
+            found = True
+            for k, where in enumerate(self._by_shard(ids)):
+                if where is None:
+                    continue
+                job = jobs[k] = jobs[k] or SparseJob([], [])
+                job.rows.append(TableRows(index, ids[where], values=np.ascontiguousarray(grads[where])))
+        return jobs if found else None
 
     def pull(self, obj: Tensors) -> int:
         """Copy the shards' current weights into `obj` in place; return the lowest shard version.
@@ -358,7 +430,7 @@ class PSClient:
         """
         b = self._bind(obj)
         grads = b.gradients(isinstance(obj, torch.nn.Module))
-        return self._exchange(b, grads=grads, step=self._next_step(step), pull=False)
+        return self._exchange(b, grads=grads, step=self._next_step(step), pull=False, rows=self._row_jobs(b))
 
     def push_pull(self, obj: Tensors, step: int | None = None) -> int:
         """Push the gradient, then pull the weights that include it into `obj`: one exchange per shard, all
@@ -370,7 +442,7 @@ class PSClient:
         """
         b = self._bind(obj)
         grads = b.gradients(isinstance(obj, torch.nn.Module))
-        return self._exchange(b, grads=grads, step=self._next_step(step), pull=True)
+        return self._exchange(b, grads=grads, step=self._next_step(step), pull=True, rows=self._row_jobs(b))
 
     def _next_step(self, step: int | None) -> int:
         if step is None:
@@ -378,14 +450,23 @@ class PSClient:
             return self._step
         return step
 
-    def _exchange(self, b: Binding, grads: list[np.ndarray] | None, step: int, pull: bool) -> int:
-        """Push `grads` (if given), then pull (if asked), on every shard at once; return the lowest version."""
+    def _exchange(
+        self,
+        b: Binding,
+        grads: list[np.ndarray] | None,
+        step: int,
+        pull: bool,
+        rows: list[SparseJob | None] | None = None,
+    ) -> int:
+        """Push `grads` (if given, with each shard's `rows`), then pull (if asked), on every shard at once; return
+        the lowest version."""
         flats = b.flats() if pull else None
         bases = self.versions
         large = b.largest_part * itemsize(self.dtype) > INLINE_BYTES
         turns = Turns(len(self.links), self.timeout) if grads is not None and large else NO_TURNS
+        sparse = rows or [None] * len(self.links)
         try:
-            versions = self._fan_out(lambda link: link.begin(b, grads, step, flats, turns))
+            versions = self._fan_out(lambda link: link.begin(b, grads, step, flats, turns, sparse[link.index]))
         except PullTimeout:
             if grads is not None:
                 # A shard waits to answer a pull only once it has taken the push (or found its round closed).
@@ -398,19 +479,22 @@ class PSClient:
 
     # -- fanning out -------------------------------------------------------------------------------------------
 
-    def _fan_out(self, start: Callable[[ShardLink], Callable[[], T]]) -> list[T]:
-        """Run an operation on every shard at once: `start(link)` begins it and returns a function that waits for
-        its result. A shard that fails is then retried on its own (see ShardLink.retry); the first failure that
-        remains is raised, once every shard has finished."""
-        waits: list[Callable[[], T] | PSError] = [PSError()] * len(self.links)
-        for link in reversed(self.links):  # shard 0 last: its wait may run in this thread
+    def _fan_out(
+        self, start: Callable[[ShardLink], Callable[[], T]], links: Sequence[ShardLink] | None = None
+    ) -> list[T]:
+        """Run an operation on every shard (or on `links`) at once: `start(link)` begins it and returns a function
+        that waits for its result. A shard that fails is then retried on its own (see ShardLink.retry); the first
+        failure that remains is raised, once every shard has finished."""
+        links = self.links if links is None else links
+        waits: list[Callable[[], T] | PSError] = [PSError()] * len(links)
+        for k in reversed(range(len(links))):  # shard 0 last: its wait may run in this thread
             try:
-                waits[link.index] = link.call(functools.partial(start, link))
+                waits[k] = links[k].call(functools.partial(start, links[k]))
             except PSError as exc:
-                waits[link.index] = exc
+                waits[k] = exc
         results: list[T] = []
         error: PSError | None = None
-        for link, wait in zip(self.links, waits, strict=True):
+        for link, wait in zip(links, waits, strict=True):
             try:
                 if isinstance(wait, PSError):
                     raise wait

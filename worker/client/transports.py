@@ -64,6 +64,73 @@ NO_TURNS = Turns(0, 0.0)  # an exchange with no part large enough to take turns 
 
 
 @dataclass
+class TableRows:
+    """One table's rows in one shard's part of an exchange: pushed (`values`: the gradients) or looked up (`out`:
+    where the rows go)."""
+
+    table: int
+    ids: np.ndarray  # int64, unique
+    values: np.ndarray | None = None  # float32 [n, dim]: a push's row gradients
+    out: np.ndarray | None = None  # float32 [n, dim]: a lookup's answer
+
+
+@dataclass
+class SparseJob:
+    """The sparse part of one shard's exchange: the rows it pushes and the rows it looks up."""
+
+    rows: list[TableRows]
+    lookups: list[TableRows]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire both ways (to choose a transport's path by size)."""
+        pushed = sum(r.ids.nbytes + (r.values.nbytes if r.values is not None else 0) for r in self.rows)
+        looked = sum(r.ids.nbytes + (r.out.nbytes if r.out is not None else 0) for r in self.lookups)
+        return int(pushed + looked)
+
+    def entries(self, inline: bool) -> tuple[list[ps_pb2.Rows], list[ps_pb2.Rows]]:
+        """The request's `rows` and `lookup` entries: with their bytes (gRPC), or naming the payload's (frames)."""
+
+        def entry(r: TableRows, values: bool) -> ps_pb2.Rows:
+            e = ps_pb2.Rows(table=r.table, count=len(r.ids))
+            if inline:
+                e.ids = r.ids.tobytes()
+                if values and r.values is not None:
+                    e.values = r.values.tobytes()
+            return e
+
+        return [entry(r, True) for r in self.rows], [entry(r, False) for r in self.lookups]
+
+    def add_to(self, request: ps_pb2.ExchangeRequest, inline: bool) -> None:
+        rows, lookups = self.entries(inline)
+        request.rows.extend(rows)
+        request.lookup.extend(lookups)
+
+    def raw_out(self) -> list[np.ndarray]:
+        """What follows the dense payload of a request frame: each pushed table's IDs and values, then each looked
+        up table's IDs."""
+        out: list[np.ndarray] = []
+        for r in self.rows:
+            assert r.values is not None
+            out += [r.ids, r.values]
+        return out + [r.ids for r in self.lookups]
+
+    def raw_in(self) -> list[np.ndarray]:
+        """Where the looked-up rows after a reply frame's dense payload go."""
+        return [r.out for r in self.lookups if r.out is not None]
+
+    def take(self, reply: ps_pb2.ExchangeResponse, address: str) -> None:
+        """Copy the looked-up rows out of a gRPC reply."""
+        if len(reply.rows) != len(self.lookups):
+            raise MalformedStream(f"shard {address} answered {len(reply.rows)} lookups for {len(self.lookups)}")
+        for r, entry in zip(self.lookups, reply.rows, strict=True):
+            assert r.out is not None
+            if len(entry.values) != r.out.nbytes:
+                raise MalformedStream(f"shard {address} sent {len(entry.values)} bytes of rows for {r.out.nbytes}")
+            r.out.reshape(-1).view(np.uint8)[:] = np.frombuffer(entry.values, dtype=np.uint8)
+
+
+@dataclass
 class Job:
     """One shard's part of one exchange, as a transport carries it."""
 
@@ -75,6 +142,7 @@ class Job:
     flats: list[np.ndarray] | None  # the model's flat float32 weights to write into, when pulling
     turns: Turns
     timeout: float
+    sparse: SparseJob | None = None  # rows pushed with the gradient, rows looked up
 
     @property
     def shards(self) -> int:
@@ -82,9 +150,15 @@ class Job:
         return self.binding.placement.num_shards
 
     @property
+    def dense(self) -> bool:
+        """Whether the exchange pushes or pulls the dense part (else it only looks rows up)."""
+        return self.grads is not None or self.flats is not None
+
+    @property
     def small(self) -> bool:
-        """Whether this shard's part fits one message (INLINE_BYTES) in the request's dtype."""
-        return self.binding.elements[self.shard] * itemsize(self.request.dtype) <= INLINE_BYTES
+        """Whether this shard's part (and the rows) fits one message (INLINE_BYTES) in the request's dtype."""
+        dense = self.binding.elements[self.shard] * itemsize(self.request.dtype) if self.dense else 0
+        return dense + (self.sparse.nbytes if self.sparse is not None else 0) <= INLINE_BYTES
 
     def check(self, header: ps_pb2.PullHeader) -> None:
         """Refuse pulled weights of another model, before they are written (every transport calls this)."""
@@ -151,7 +225,7 @@ class Grpc(Transport):
 
     def begin(self, job: Job) -> Answer:
         job.turns.done(job.shard)  # only data sockets take turns
-        if job.small:
+        if job.small or not job.dense:
             return self._inline(job)
         return self.pool.submit(self._streams, job).result
 
@@ -172,9 +246,13 @@ class Grpc(Transport):
         if job.grads is not None:
             for piece, offset, data in iter_chunks(b.views(k, job.grads), req.dtype, reuse=True):
                 req.chunks.add(piece=piece, offset=offset, data=bytes(data))
+        if job.sparse is not None:
+            job.sparse.add_to(req, inline=True)
 
         def finish() -> ps_pb2.ExchangeResponse:
             reply: ps_pb2.ExchangeResponse = self.stub.Exchange(req, timeout=job.timeout)
+            if job.sparse is not None:
+                job.sparse.take(reply, self.address)
             if job.flats is not None:
                 job.check(reply.pulled)
                 receiver = ChunkReceiver(b.views(k, job.flats), b.labels(k), req.dtype)
@@ -199,6 +277,7 @@ class Grpc(Transport):
                 base_version=req.base_version,
                 model_digest=req.model_digest,
                 dtype=req.dtype,
+                rows=job.sparse.entries(inline=True)[0] if job.sparse is not None else (),
             )
             views = b.views(k, job.grads)
 
@@ -261,6 +340,8 @@ class SharedMemory(Transport):
 
         def finish() -> ps_pb2.ExchangeResponse:
             reply = answer()
+            if job.sparse is not None and self.doorbell is None:
+                job.sparse.take(reply, self._address)
             if job.flats is not None:
                 job.check(reply.pulled)
                 for src, dst in zip(b.regions(k, segment.weights), b.views(k, job.flats), strict=True):
@@ -270,17 +351,21 @@ class SharedMemory(Transport):
         return finish
 
     def _ring(self, job: Job) -> Answer:
-        bell = self.doorbell
+        bell, sparse = self.doorbell, job.sparse
         if bell is None:
+            if sparse is not None:
+                sparse.add_to(job.request, inline=True)
             return self._rpc.pool.submit(self._rpc.stub.Exchange, job.request, timeout=job.timeout).result
+        if sparse is not None:
+            sparse.add_to(job.request, inline=False)
         try:
-            bell.send(job.request, job.timeout)
+            bell.send(job.request, job.timeout, raw=sparse.raw_out() if sparse is not None else ())
         except OSError as exc:
             raise self._lost(exc, self._address) from None
 
         def receive() -> ps_pb2.ExchangeResponse:
             try:
-                return bell.receive()
+                return bell.receive(raw=sparse.raw_in() if sparse is not None else ())
             except (OSError, ConnectionError) as exc:
                 raise self._lost(exc, self._address) from None
 
@@ -308,18 +393,22 @@ class DataSocket(Transport):
         self.connection.close()  # closing a closed socket does nothing
 
     def begin(self, job: Job) -> Answer:
-        bell, b, k, req = self.connection, job.binding, job.shard, job.request
+        bell, b, k, req, sparse = self.connection, job.binding, job.shard, job.request, job.sparse
         sent = b.views(k, job.grads) if job.grads is not None else []
+        if sparse is not None:
+            sparse.add_to(req, inline=False)
+        raw_out = sparse.raw_out() if sparse is not None else []
+        raw_in = sparse.raw_in() if sparse is not None else []
 
         def send() -> None:
             try:
-                bell.send(req, job.timeout, sent, req.dtype)
+                bell.send(req, job.timeout, sent, req.dtype, raw_out)
             except OSError as exc:
                 raise self._lost(exc, self._address) from None
 
         def finish() -> ps_pb2.ExchangeResponse:
             try:
-                reply = bell.receive(b.views(k, job.flats) if job.flats is not None else (), req.dtype)
+                reply = bell.receive(b.views(k, job.flats) if job.flats is not None else (), req.dtype, raw_in)
             except (OSError, ConnectionError) as exc:
                 raise self._lost(exc, self._address) from None
             if job.flats is not None:

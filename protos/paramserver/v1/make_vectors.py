@@ -1,7 +1,9 @@
-"""Regenerate vectors.json: placement and digest test vectors for SPEC.md, computed by paramserver.placement.
+"""Regenerate vectors.json (placement and digest test vectors for SPEC.md, computed by paramserver.placement) and
+table_vectors.json (the sparse tables' row placement, initial rows and digest, SPEC.md section 14, computed by
+paramserver.tables).
 
-    .venv/bin/python protos/paramserver/v1/make_vectors.py          # rewrite vectors.json beside this file
-    .venv/bin/python protos/paramserver/v1/make_vectors.py --check  # exit 1 if vectors.json is not current
+    .venv/bin/python protos/paramserver/v1/make_vectors.py          # rewrite both files beside this one
+    .venv/bin/python protos/paramserver/v1/make_vectors.py --check  # exit 1 if either is not current
 
 Each case gives a model (`specs`, each `{name, shape}`, with `"buffer": true` for a buffer), `num_shards` and
 `slice_elements`, and what every implementation must compute from them: each shard's ordered pieces (`shards`),
@@ -18,10 +20,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from paramserver.placement import SLICE_ELEMENTS, TensorSpec, place
+from paramserver.placement import SLICE_ELEMENTS, TensorSpec, digest, place
 
 HERE = Path(__file__).resolve().parent
 VECTORS = HERE / "vectors.json"
+TABLE_VECTORS = HERE / "table_vectors.json"
 
 # The digits CNN as worker.models.build_model("cnn", in_shape=(1, 8, 8), num_classes=10) names its parameters
 # (written out here so that generating the vectors needs no torch).
@@ -201,19 +204,70 @@ def render() -> str:
     return text
 
 
+# IDs for the table vectors: small, negative, the int64 extremes, and hash-like values.
+TABLE_IDS = [0, 1, 2, 3, 7, 42, 1000003, -1, -2, -(2**63), 2**63 - 1, 1234567890123456789, -987654321987654321]
+
+
+def table_vectors() -> dict[str, Any]:
+    """The sparse tables' vectors: mix64 and shard_of of TABLE_IDS, initial rows of a few tables, a digest."""
+    import numpy as np
+
+    from paramserver.tables import TableSpec, initial_rows, mix64, shard_of
+
+    ids = np.array(TABLE_IDS, dtype=np.int64)
+    tables = [
+        TableSpec("normal", dim=4, seed=5),
+        TableSpec("uniform", dim=3, init="uniform", init_scale=0.5, seed=2**64 - 1),
+        TableSpec("zeros", dim=2, num_embeddings=10, init="zeros"),
+    ]
+    return {
+        "ids": TABLE_IDS,
+        # mix64 of each ID's 64 bits, as decimal strings (JSON numbers lose precision past 2^53)
+        "mix64": [str(int(v)) for v in mix64(ids.view(np.uint64))],
+        "shard_of": {str(n): [int(k) for k in shard_of(ids, n)] for n in (1, 2, 3, 7)},
+        "initial_rows": [
+            {
+                "table": dict(
+                    zip(
+                        ["name", "dim", "init", "init_scale", "seed"],
+                        [t.name, t.dim, t.init, t.init_scale, str(t.seed)],
+                        strict=True,
+                    )
+                ),
+                "ids": [str(i) for i in TABLE_IDS[:5]],
+                # float32 rows, each element as its 8 hex digits of IEEE 754 binary32 bits (exact)
+                "rows": [[f"{int(x):08x}" for x in row.view(np.uint32)] for row in initial_rows(t, ids[:5])],
+            }
+            for t in tables
+        ],
+        "digest": {
+            "specs": [["fc.weight", [1, 8]], ["fc.bias", [1]]],
+            "num_shards": 2,
+            "slice_elements": SLICE_ELEMENTS,
+            "tables": [t.digest_entry() for t in tables],
+            "digest": digest([TensorSpec("fc.weight", (1, 8)), TensorSpec("fc.bias", (1,))], 2, SLICE_ELEMENTS, tables),
+        },
+    }
+
+
+def render_tables() -> str:
+    """The exact text of table_vectors.json."""
+    return json.dumps(table_vectors(), indent=1, ensure_ascii=True) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if vectors.json differs from what it would be")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a vectors file differs from what it would be")
     args = parser.parse_args(argv)
-    text = render()
+    outputs = {VECTORS: render(), TABLE_VECTORS: render_tables()}
     if args.check:
-        current = VECTORS.read_text(encoding="utf-8") if VECTORS.exists() else ""
-        if current != text:
-            print(f"{VECTORS} is not current: run {Path(__file__).name}", file=sys.stderr)
-            return 1
-        return 0
-    VECTORS.write_text(text, encoding="utf-8")
-    print(f"wrote {len(CASES)} cases to {VECTORS}")
+        stale = [p for p, text in outputs.items() if (p.read_text(encoding="utf-8") if p.exists() else "") != text]
+        for p in stale:
+            print(f"{p} is not current: run {Path(__file__).name}", file=sys.stderr)
+        return 1 if stale else 0
+    for p, text in outputs.items():
+        p.write_text(text, encoding="utf-8")
+    print(f"wrote {len(CASES)} cases to {VECTORS} and the table vectors to {TABLE_VECTORS}")
     return 0
 
 

@@ -1,0 +1,228 @@
+"""Sparse embedding tables end to end: sync training with SparseEmbedding equals local training with
+nn.Embedding(sparse=True) / nn.EmbeddingBag and torch's own optimizer; every transport carries rows; async works."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from paramserver.config import ServerConfig
+from paramserver.tables import initial_rows, shard_of
+from worker import PSClient, SparseEmbedding
+
+N, DIM, BAG_N = 64, 8, 40
+
+
+class PSModel(nn.Module):
+    """A table gathered per ID, a pooled bag table, and a dense head."""
+
+    def __init__(self, bag_mode: str = "mean") -> None:
+        super().__init__()
+        self.fc = nn.Linear(2 * DIM, 1)
+        self.item = SparseEmbedding(dim=DIM, num_embeddings=N, init_scale=0.3, seed=7)
+        self.tags = SparseEmbedding(dim=DIM, num_embeddings=BAG_N, mode=bag_mode, init="uniform", init_scale=0.2)
+
+    def forward(self, ids: torch.Tensor, bag: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.item(ids), self.tags(bag, offsets)], 1)).squeeze(-1)
+
+
+class LocalModel(nn.Module):
+    """The same model with torch's own sparse embeddings, starting from the same rows."""
+
+    def __init__(self, ps: PSModel) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2 * DIM, 1)
+        self.fc.load_state_dict(ps.fc.state_dict())
+        self.item = nn.Embedding(N, DIM, sparse=True)
+        self.tags = nn.EmbeddingBag(BAG_N, DIM, mode=ps.tags.mode or "mean", sparse=True)
+        with torch.no_grad():
+            self.item.weight.copy_(torch.from_numpy(initial_rows(ps.item.spec("item"), np.arange(N))))
+            self.tags.weight.copy_(torch.from_numpy(initial_rows(ps.tags.spec("tags"), np.arange(BAG_N))))
+
+    def forward(self, ids: torch.Tensor, bag: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.item(ids), self.tags(bag, offsets)], 1)).squeeze(-1)
+
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def make_batches(steps: int, size: int, seed: int = 0) -> list[Batch]:
+    """Zipf-ish IDs (repeats within and across batches), bags of 1-3 tags, targets."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = (torch.rand(size, generator=g) ** 3 * N).long()
+        lengths = torch.randint(1, 4, (size,), generator=g)
+        bag = torch.randint(0, BAG_N, (int(lengths.sum()),), generator=g)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+        out.append((ids, bag, offsets, torch.randn(size, generator=g)))
+    return out
+
+
+def split(batch: Batch, rank: int, world: int) -> Batch:
+    """Rank `rank`'s half of a combined batch: samples rank, rank + world, ..."""
+    ids, bag, offsets, y = batch
+    ends = torch.cat([offsets[1:], torch.tensor([len(bag)])])
+    keep = range(rank, len(ids), world)
+    bags = [bag[offsets[i] : ends[i]] for i in keep]
+    lengths = torch.tensor([len(b) for b in bags])
+    return (
+        ids[rank::world],
+        torch.cat(bags),
+        torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]]),
+        y[rank::world],
+    )
+
+
+def loss_of(model: nn.Module, batch: Batch) -> torch.Tensor:
+    ids, bag, offsets, y = batch
+    return ((model(ids, bag, offsets) - y) ** 2).mean()
+
+
+def train_local(ps: PSModel, batches: list[Batch], optimizer: str, lr: float) -> LocalModel:
+    local = LocalModel(ps)
+    make: Callable[..., torch.optim.Optimizer] = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[optimizer]
+    opt = make(local.parameters(), lr=lr)
+    for batch in batches:
+        opt.zero_grad()
+        loss_of(local, batch).backward()
+        opt.step()
+    return local
+
+
+def train_on_cluster(
+    address: str, ps_models: list[PSModel], batches: list[Batch], **client_kwargs: object
+) -> list[PSModel]:
+    """Each model trained by its own worker (a thread) on its rank's half of each batch; returns them."""
+    errors: list[BaseException] = []
+    world = len(ps_models)
+    clients: list[PSClient] = []
+
+    def work(model: PSModel) -> None:
+        try:
+            client = PSClient(address, **client_kwargs)  # type: ignore[arg-type]
+            clients.append(client)
+            client.register(model)
+            for batch in batches:
+                model.zero_grad(set_to_none=True)
+                loss_of(model, split(batch, client.rank, world)).backward()
+                client.push_pull(model)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(m,)) for m in ps_models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a worker hung"
+    return ps_models
+
+
+@pytest.mark.parametrize("optimizer,lr", [("sgd", 0.2), ("adagrad", 0.1)])
+def test_sync_training_equals_local_training_with_torch_sparse_embeddings(
+    ps_cluster_factory: Callable[..., object], optimizer: str, lr: float
+) -> None:
+    """Two workers in sync mode on halves of each batch = one local model on the whole batch (1e-5)."""
+    cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=2, optimizer=optimizer, lr=lr), shards=2)
+    torch.manual_seed(0)
+    models = [PSModel(), PSModel()]
+    models[1].fc.load_state_dict(models[0].fc.state_dict())
+    batches = make_batches(steps=6, size=32)
+    local = train_local(models[0], batches, optimizer, lr)  # before training: the same starting point
+    trained = train_on_cluster(cluster.address, models, batches)  # type: ignore[attr-defined]
+    with torch.no_grad():
+        for model in trained:
+            torch.testing.assert_close(model.fc.weight, local.fc.weight, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(model.fc.bias, local.fc.bias, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(model.item(torch.arange(N)), local.item.weight, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                model.tags(torch.arange(BAG_N), torch.arange(BAG_N)), local.tags.weight, atol=1e-5, rtol=1e-5
+            )
+
+
+@pytest.mark.parametrize(
+    "transport,kwargs",
+    [
+        ("shared memory", {}),
+        ("data socket", {"shared_memory": False}),
+        ("gRPC", {"shared_memory": False, "data_socket": False}),
+    ],
+)
+def test_every_transport_carries_rows(
+    ps_cluster_factory: Callable[..., object], transport: str, kwargs: dict[str, bool]
+) -> None:
+    """One worker's training is the same over each transport, and equals local training."""
+    cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=1, optimizer="adagrad", lr=0.1), shards=2)
+    torch.manual_seed(1)
+    model = PSModel(bag_mode="sum")
+    batches = make_batches(steps=4, size=16, seed=3)
+    local = train_local(model, batches, "adagrad", 0.1)
+    with PSClient(cluster.address, **kwargs) as client:  # type: ignore[attr-defined]
+        client.register(model)
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            loss_of(model, batch).backward()
+            client.push_pull(model)
+        assert [link.transport.kind for link in client.links] == [transport, transport]
+        with torch.no_grad():
+            torch.testing.assert_close(model.item(torch.arange(N)), local.item.weight, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(model.fc.weight, local.fc.weight, atol=1e-5, rtol=1e-5)
+
+
+def test_unbounded_ids_of_any_int64_and_their_shards(ps_cluster_factory: Callable[..., object]) -> None:
+    """Hash-like IDs (negative, huge) work; each row lives on the shard shard_of names, and only there."""
+    cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="sgd", lr=0.5), shards=2)
+
+    class Users(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(1))
+            self.user = SparseEmbedding(dim=3, init="zeros")
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.user(ids).sum(1) + self.bias
+
+    ids = torch.tensor([-(2**63), -1, 0, 7, 2**62 + 12345, 2**63 - 1])
+    model = Users()
+    with PSClient(cluster.address) as client:  # type: ignore[attr-defined]
+        client.register(model)
+        model(ids).sum().backward()
+        client.push_pull(model)
+        with torch.no_grad():
+            rows = model.user(ids)
+    torch.testing.assert_close(rows, torch.full((len(ids), 3), -0.5))  # one SGD step of gradient 1 from zeros
+    owners = shard_of(ids.numpy(), 2)
+    held = [shard.describe().table_rows[0] for shard in cluster.shards]  # type: ignore[attr-defined]
+    assert held == [int((owners == 0).sum()), int((owners == 1).sum())]
+
+
+def test_gradient_accumulation_over_two_forward_passes(ps_cluster_factory: Callable[..., object]) -> None:
+    """Two forward passes before one push: one row per ID, gradients summed, as torch accumulates them."""
+    cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=0.1), shards=2)
+    torch.manual_seed(2)
+    model = PSModel()
+    a, b = make_batches(steps=2, size=8, seed=5)
+    local = LocalModel(model)
+    opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    (loss_of(local, a) + loss_of(local, b)).backward()
+    opt.step()
+    with PSClient(cluster.address) as client:  # type: ignore[attr-defined]
+        client.register(model)
+        loss_of(model, a).backward()
+        loss_of(model, b).backward()
+        client.push_pull(model)
+        with torch.no_grad():
+            torch.testing.assert_close(model.item(torch.arange(N)), local.item.weight, atol=1e-5, rtol=1e-5)
+
+
+def test_a_table_forward_before_register_says_what_to_do() -> None:
+    with pytest.raises(RuntimeError, match="client.register"):
+        SparseEmbedding(dim=4)(torch.tensor([1]))

@@ -1,0 +1,170 @@
+"""SparseEmbedding: an embedding table held by the parameter server, of which a worker fetches only the rows its batch
+touches.
+
+    class Recommender(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.user = SparseEmbedding(dim=32)                          # unbounded int64 IDs
+            self.item = SparseEmbedding(dim=32, num_embeddings=100_000)  # bounded IDs 0..N-1
+            ...
+
+    client.register(model)    # the dense tensors, and the tables (rows start empty on the shards)
+    loss = loss_fn(model(user_ids, item_ids)); loss.backward()
+    client.push_pull(model)   # dense gradients, and the summed gradient of each row the batch touched
+
+A forward pass looks up the batch's unique IDs on the shards that hold them (paramserver.tables.shard_of), one
+exchange per shard, and gathers them as `nn.Embedding` does (or pools bags of them as `nn.EmbeddingBag` does,
+`mode="sum"|"mean"`); backward sums the gradients of an ID that occurs more than once. The next push sends each
+touched row's gradient to its shard with the dense gradients, in the same exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paramserver.tables import TableSpec
+
+MODES = (None, "sum", "mean")
+
+
+class RowSource(Protocol):
+    """Where a registered table reads its rows: its PSClient (see PSClient.register)."""
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """The current rows of these unique int64 IDs, float32 [len(ids), dim]."""
+
+
+class SparseEmbedding(nn.Module):
+    """An embedding table on the parameter server's shards: `dim`-wide rows keyed by int64 IDs.
+
+    `num_embeddings`: None for unbounded IDs (any int64, e.g. hashes of user IDs: a row is made on the shards the
+    first time an update touches it), or N for IDs 0..N-1 (others are refused). `mode`: None gathers one row per
+    ID (`forward(ids)` -> [*ids.shape, dim], as nn.Embedding); "sum" or "mean" pools bags of IDs
+    (`forward(ids, offsets)` with 1-D ids and the offsets where each bag starts -> [len(offsets), dim], as
+    nn.EmbeddingBag).
+
+    The table's policy on the shards (part of the model: two workers must agree on it):
+    - `init` "normal" (default; standard deviation `init_scale`, 0 meaning 1/sqrt(dim)), "uniform" (on
+      [-init_scale, init_scale)) or "zeros": a row's value before any update, the same for an ID on every
+      shard and in every run for a given `seed` (paramserver.tables.initial_rows computes it anywhere).
+    - `optimizer`: "sgd", "adagrad" (torch.optim.Adagrad on sparse gradients), "rowwise_adagrad" (one accumulator
+      per row, as TorchRec's), "adam" (torch.optim.SparseAdam, lazy); "" (default) the job's counterpart. `lr`:
+      0 (default) the job's learning rate.
+    - `admit_after` k: a row is made only once its ID was in k updates; `admit_probability` p: with probability p
+      in each update. Until then it reads as its initial value and its gradients are dropped.
+    - `evict_after_versions`, `evict_after_seconds`: rows no update touched for that long are dropped (they read
+      as initial again); `capacity`: rows per shard, the least recently updated dropped beyond it.
+
+    The module holds no tensors of its own: `state_dict()` does not contain the table (it lives on the shards).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_embeddings: int | None = None,
+        *,
+        mode: str | None = None,
+        init: str = "normal",
+        init_scale: float = 0.0,
+        seed: int = 0,
+        optimizer: str = "",
+        lr: float = 0.0,
+        admit_after: int = 0,
+        admit_probability: float = 1.0,
+        evict_after_versions: int = 0,
+        evict_after_seconds: float = 0.0,
+        capacity: int = 0,
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be None, 'sum' or 'mean', not {mode!r}")
+        self.dim = dim
+        self.num_embeddings = num_embeddings
+        self.mode = mode
+        self._options = dict(
+            dim=dim,
+            num_embeddings=num_embeddings or 0,
+            init=init,
+            init_scale=init_scale,
+            seed=seed,
+            optimizer=optimizer,
+            lr=lr,
+            admit_after=admit_after,
+            admit_probability=admit_probability,
+            evict_after_versions=evict_after_versions,
+            evict_after_seconds=evict_after_seconds,
+            capacity=capacity,
+        )
+        self.spec("table")  # ValueError now, not at registration, for options out of range
+        self._source: RowSource | None = None
+        # (unique IDs, their rows as a leaf tensor) of each forward pass since the last push
+        self._touched: list[tuple[np.ndarray, torch.Tensor]] = []
+
+    def spec(self, name: str) -> TableSpec:
+        """This table's spec under `name` (its path in the model, as PSClient.register names it)."""
+        return TableSpec(name=name, **self._options)  # type: ignore[arg-type]
+
+    def extra_repr(self) -> str:
+        bound = f", num_embeddings={self.num_embeddings}" if self.num_embeddings else ""
+        pooled = f", mode={self.mode!r}" if self.mode else ""
+        return f"dim={self.dim}{bound}{pooled}"
+
+    def attach(self, source: RowSource | None) -> None:
+        """Read rows from `source` from now on (PSClient.register calls this); None detaches."""
+        self._source = source
+        self._touched = []
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        if self._source is None:
+            raise RuntimeError(
+                "this SparseEmbedding is not registered with a PSClient: call client.register(model) first (its "
+                "rows live on the parameter server)"
+            )
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"embedding IDs are int64 or int32 tensors, not {ids.dtype}")
+        if (self.mode is None) != (offsets is None):
+            raise ValueError(
+                "mode None takes ids alone; mode 'sum' or 'mean' takes 1-D ids and the offsets where each bag starts"
+            )
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        wanted = unique.to("cpu", torch.int64).numpy()
+        rows = torch.from_numpy(self._source.lookup(wanted))
+        if rows.shape != (len(wanted), self.dim):
+            raise RuntimeError(
+                f"the shards sent rows of shape {tuple(rows.shape)} for {len(wanted)} IDs of dim {self.dim}"
+            )
+        rows = rows.to(ids.device)
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._touched.append((wanted, rows))
+        if offsets is None:
+            return F.embedding(inverse.reshape(ids.shape), rows)
+        return F.embedding_bag(inverse, rows, offsets, mode=self.mode or "mean")
+
+    def take_gradients(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The unique IDs touched since the last call and the summed gradient of each row (float32 [n, dim], on the
+        CPU), forgetting them; None if no touched row has a gradient."""
+        touched, self._touched = self._touched, []
+        parts = [(ids, rows.grad) for ids, rows in touched if rows.grad is not None]
+        if not parts:
+            return None
+        if len(parts) == 1:
+            ids, grad = parts[0]
+            return ids, grad.detach().to("cpu", torch.float32).contiguous().numpy()
+        # Several forward passes before one push (gradient accumulation): one row per ID, their gradients summed.
+        all_ids = np.concatenate([p[0] for p in parts])
+        unique, inverse = np.unique(all_ids, return_inverse=True)
+        summed = torch.zeros((len(unique), self.dim), dtype=torch.float32)
+        grads = torch.cat([g.detach().to("cpu", torch.float32) for _, g in parts])
+        summed.index_add_(0, torch.from_numpy(inverse.reshape(-1).astype(np.int64)), grads)
+        return unique, summed.numpy()
+
+
+def tables_of(module: nn.Module) -> list[tuple[str, SparseEmbedding]]:
+    """A module's sparse tables, named by their path in it, in named_modules() order."""
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, SparseEmbedding)]
