@@ -260,6 +260,32 @@ def test_a_million_ids() -> None:
     assert table.rows == 501_000
 
 
+def test_random_updates_and_evictions_match_a_model() -> None:
+    """Many rounds of updates and LRU evictions over a small universe of IDs: the index's tombstones, rebuilds and
+    slot reuse against a dict."""
+    spec = TableSpec("t", 1, init="zeros")
+    table = RowTable(spec, "sgd", 1.0)
+    rng = np.random.default_rng(8)
+    universe = rng.integers(-(1 << 63), (1 << 63) - 1, size=3000, dtype=np.int64)
+    value: dict[int, float] = {}
+    last: dict[int, int] = {}
+    for version in range(1, 150):
+        ids = np.unique(rng.choice(universe, size=int(rng.integers(1, 400))))
+        table.apply(ids, -np.ones((len(ids), 1), np.float32), version, float(version))
+        for i in ids.tolist():
+            value[i] = value.get(i, 0.0) + 1.0
+            last[i] = version
+        if version % 7 == 0:
+            keep = int(rng.integers(0, len(value) + 1))
+            assert table.evict_lru(keep) == len(value) - keep
+            for i in sorted(value, key=lambda i: (last[i], i))[: len(value) - keep]:
+                del value[i], last[i]
+        assert table.rows == len(value)
+    want = np.array([value.get(i, 0.0) for i in universe.tolist()], dtype=np.float32)
+    np.testing.assert_array_equal(table.lookup(universe)[:, 0], want)
+    assert table.state()["ids"].tolist() == sorted(value)
+
+
 def test_state_round_trip_and_order_independence() -> None:
     spec = TableSpec("t", 3, admit_after=2, capacity=30, seed=2)
     table = RowTable(spec, "adam", 0.01)

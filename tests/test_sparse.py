@@ -226,3 +226,39 @@ def test_gradient_accumulation_over_two_forward_passes(ps_cluster_factory: Calla
 def test_a_table_forward_before_register_says_what_to_do() -> None:
     with pytest.raises(RuntimeError, match="client.register"):
         SparseEmbedding(dim=4)(torch.tensor([1]))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"shared_memory": False, "data_socket": False}], ids=["shm", "grpc"])
+def test_prefetching_the_next_batch_rows_changes_nothing_but_the_round_trips(
+    ps_cluster_factory: Callable[..., object], kwargs: dict[str, bool]
+) -> None:
+    """With prefetch, the rows of the next batch come with push_pull (read after its update) and the forward pass
+    asks the shards nothing; training is the same as without."""
+    cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=1, optimizer="adagrad", lr=0.1), shards=2)
+    torch.manual_seed(4)
+    model = PSModel()
+    batches = make_batches(steps=5, size=16, seed=9)
+    local = train_local(model, batches, "adagrad", 0.1)
+    shards = cluster.shards  # type: ignore[attr-defined]
+
+    def lookups() -> int:
+        return sum(
+            int(s.metrics.registry.get_sample_value("paramserver_lookups_total", {"shard": str(s.index)}) or 0)
+            for s in shards
+        )
+
+    with PSClient(cluster.address, **kwargs) as client:  # type: ignore[attr-defined]
+        client.register(model)
+        for t, batch in enumerate(batches):
+            model.zero_grad(set_to_none=True)
+            loss_of(model, batch).backward()
+            if t + 1 < len(batches):
+                ids, bag, _, _ = batches[t + 1]
+                model.item.prefetch(ids)
+                model.tags.prefetch(bag)
+            client.push_pull(model)
+        # The first batch's forward pass: one lookup exchange per table and shard; then one per push_pull and shard.
+        assert lookups() == 2 * 2 + 2 * (len(batches) - 1)
+        with torch.no_grad():
+            torch.testing.assert_close(model.item(torch.arange(N)), local.item.weight, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(model.fc.weight, local.fc.weight, atol=1e-5, rtol=1e-5)

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paramserver.tables import TableSpec, initial_rows, mix64
+from worker.sparse import SparseEmbedding
 
 if TYPE_CHECKING:
     from worker.client import PSClient
@@ -402,8 +403,6 @@ class Recommender(nn.Module):
             if local:
                 module = _LocalTable(table, dim, user_vocab if table.name == "user" else None)
             else:
-                from worker.sparse import SparseEmbedding
-
                 module = SparseEmbedding(dim, table.num_embeddings, mode=table.mode, seed=table.seed)
                 if module.spec(table.name) != table.spec(dim):  # the local model would start from other rows
                     raise RuntimeError(f"{table.name}: {module.spec(table.name)} differs from {table.spec(dim)}")
@@ -490,6 +489,12 @@ def train_local(
     return model
 
 
+def _table(model: nn.Module, name: str) -> SparseEmbedding:
+    table = model.get_submodule(name)
+    assert isinstance(table, SparseEmbedding), f"{name} is no SparseEmbedding: a local model trains with train_local"
+    return table
+
+
 def train_worker(
     client: PSClient,
     model: nn.Module,
@@ -510,18 +515,23 @@ def train_worker(
     n = len(logs.train)
     bar = _bar(epochs * steps_per_epoch(n, batch_size, world), f"worker {rank}", progress and rank == 0)
     loss_value = float("nan")
+    order = [idx for epoch in range(epochs) for idx in rank_batches(n, batch_size, rank, world, seed=seed, epoch=epoch)]
     try:
-        for epoch in range(epochs):
-            for idx in rank_batches(n, batch_size, rank, world, seed=seed, epoch=epoch):
-                batch = logs.train.batch(idx)
-                model.zero_grad(set_to_none=True)
-                loss = F.binary_cross_entropy_with_logits(model(batch), batch.label)
-                loss.backward()
-                client.push_pull(model)
-                loss_value = loss.item()
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
+        for t, idx in enumerate(order):
+            batch = logs.train.batch(idx)
+            model.zero_grad(set_to_none=True)
+            loss = F.binary_cross_entropy_with_logits(model(batch), batch.label)
+            loss.backward()
+            if t + 1 < len(order):  # the next batch's rows come back with this push_pull: one round trip a step
+                coming = logs.train.batch(order[t + 1])
+                for name, ids in (("user", coming.user), ("item", coming.item), ("category", coming.category)):
+                    _table(model, name).prefetch(ids)
+                _table(model, "tags").prefetch(coming.tags)
+            client.push_pull(model)
+            loss_value = loss.item()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
     finally:
         if bar is not None:
             bar.close()

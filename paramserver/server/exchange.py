@@ -358,6 +358,7 @@ class ExchangeHandler:
         reply.rows_version, sparse.answers = shard.lookup(sparse.lookups, min_version, timeout, want.worker_id)
         for block in sparse.lookups:
             reply.rows.add(table=block.table, count=len(block.ids))
+        shard.metrics.lookups.inc()
         shard.metrics.bytes_out.inc(sum(int(a.nbytes) for a in sparse.answers))
 
     def _pull(self, want: Want, sink: WeightsSink, timeout: float, reply: ps_pb2.ExchangeResponse) -> None:

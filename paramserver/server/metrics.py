@@ -134,6 +134,9 @@ class ShardMetrics:
         r, s = self.registry, str(shard)
         self.pushes = Counter("paramserver_pushes", "Pushes taken, by result", ["shard", "result"], registry=r)
         self.pulls = Counter("paramserver_pulls", "Pulls served", ["shard"], registry=r).labels(s)
+        self.lookups = Counter(
+            "paramserver_lookups", "Exchanges that looked sparse-table rows up", ["shard"], registry=r
+        ).labels(s)
         self.bytes_in = Counter(
             "paramserver_received_bytes", "Tensor bytes received (push, init)", ["shard"], registry=r
         ).labels(s)

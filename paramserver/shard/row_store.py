@@ -146,28 +146,40 @@ class _IdHash:
         self.live += n
 
     def _insert(self, ids: np.ndarray, values: np.ndarray) -> None:
-        keys, vals, mask = self.keys, self.vals, self.mask
         todo = np.arange(len(ids))
         pos = self._start(ids)
+        # Round one tries each key's home cell, as _find does; then windows from the next cell on.
+        home = self.vals.take(pos) < 0
+        taken = self._claim(ids, values, todo[home], pos[home])
+        left = np.ones(len(ids), dtype=bool)
+        left[taken] = False
+        todo = np.flatnonzero(left)
+        pos = pos[todo] + 1
         while len(todo):
-            cells = (pos + _OFFSETS) & mask
-            free = vals.take(cells) < 0
+            cells = (pos + _OFFSETS) & self.mask
+            free = self.vals.take(cells) < 0
             has = free.any(axis=0)
-            cols = np.arange(len(todo))
-            target = cells[free.argmax(axis=0), cols]
-            claim = np.flatnonzero(has)
-            claimed, claimers = target[claim], todo[claim]
-            # Two new keys may reach one free cell in the same round: both write their key, one write stays
-            # (keys are distinct, so exactly one matches), and the others probe on from the now-taken cell.
-            keys[claimed] = ids[claimers]
-            won = keys.take(claimed) == ids[claimers]
-            winners = claimed[won]
-            self.dead -= int(np.count_nonzero(vals.take(winners) == DELETED))
-            vals[winners] = values[claimers[won]]
+            target = cells[free.argmax(axis=0), np.arange(len(todo))]
+            taken = self._claim(ids, values, todo[has], target[has])
             left = np.ones(len(todo), dtype=bool)
-            left[claim[won]] = False
+            left[np.searchsorted(todo, taken)] = False
+            # A key that lost its free cell to another probes on from that (now taken) cell.
             pos = np.where(has, target, pos + _WINDOW)
             todo, pos = todo[left], pos[left]
+
+    def _claim(self, ids: np.ndarray, values: np.ndarray, claimers: np.ndarray, cells: np.ndarray) -> np.ndarray:
+        """Put keys ids[claimers] into these free cells; which claimers got theirs (ascending, as claimers is).
+
+        Two keys may reach one free cell in the same round: both write their key, one write stays (keys are
+        distinct, so exactly one matches), and the others must probe on."""
+        keys, vals = self.keys, self.vals
+        want = ids[claimers]
+        keys[cells] = want
+        won = keys.take(cells) == want
+        winners = cells[won]
+        self.dead -= int(np.count_nonzero(vals.take(winners) == DELETED))
+        vals[winners] = values[claimers[won]]
+        return claimers[won]
 
     def _rebuild(self, cells: int) -> None:
         live = np.flatnonzero(self.vals >= 0)
@@ -472,7 +484,7 @@ class RowTable:
         of a table at its capacity."""
         held = np.flatnonzero(self._live[: self._high])
         versions = self._versions[held]
-        take = min(len(held), max(4 * needed, len(held) // 16))
+        take = min(len(held), max(8 * needed, len(held) // 16))
         if take < len(held):
             bound = np.partition(versions, take - 1)[take - 1]
             held = held[versions <= bound]  # the oldest `take`, and every row tied with the newest of them

@@ -35,7 +35,7 @@ from paramserver.wire.chunks import CHUNK_BYTES, itemsize, wire_dtype
 from worker.client.binding import Binding, Tensors, tensors_of
 from worker.client.link import CONNECT_S, Session, ShardLink
 from worker.client.transports import INLINE_BYTES, NO_TURNS, SparseJob, TableRows, Turns
-from worker.sparse import tables_of
+from worker.sparse import SparseEmbedding, tables_of
 
 log = logging.getLogger(__name__)
 
@@ -396,23 +396,45 @@ class PSClient:
         bounds = np.searchsorted(owner[order], np.arange(len(self.links) + 1))
         return [order[lo:hi] if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
-    def _row_jobs(self, b: Binding) -> list[SparseJob | None] | None:
-        """Each shard's rows of the row gradients the model's tables gathered since the last push (None: no
-        table has any)."""
+    def _row_jobs(self, b: Binding) -> tuple[list[SparseJob | None] | None, Callable[[], None]]:
+        """Each shard's sparse part of a push: the row gradients the model's tables gathered since the last push,
+        and the rows of the IDs they were told to prefetch (None: nothing); and what hands the prefetched rows to
+        their tables once the exchange is over."""
         jobs: list[SparseJob | None] = [None] * len(self.links)
         found = False
+
+        def job_of(k: int) -> SparseJob:
+            job = jobs[k] = jobs[k] or SparseJob([], [])
+            return job
+
+        fetched: list[tuple[SparseEmbedding, np.ndarray, np.ndarray, list[tuple[np.ndarray, TableRows]]]] = []
         for index, module in enumerate(b.tables):
             taken = module.take_gradients()
-            if taken is None:
-                continue
-            ids, grads = taken
-            found = True
-            for k, where in enumerate(self._by_shard(ids)):
-                if where is None:
-                    continue
-                job = jobs[k] = jobs[k] or SparseJob([], [])
-                job.rows.append(TableRows(index, ids[where], values=np.ascontiguousarray(grads[where])))
-        return jobs if found else None
+            if taken is not None:
+                ids, grads = taken
+                found = True
+                for k, where in enumerate(self._by_shard(ids)):
+                    if where is not None:
+                        job_of(k).rows.append(TableRows(index, ids[where], values=np.ascontiguousarray(grads[where])))
+            planned = module.take_planned()
+            if planned is not None and len(planned):
+                found = True
+                out = np.empty((len(planned), module.dim), dtype=np.float32)
+                parts = []
+                for k, where in enumerate(self._by_shard(planned)):
+                    if where is not None:
+                        part = TableRows(index, planned[where], out=np.empty((len(where), module.dim), np.float32))
+                        job_of(k).lookups.append(part)
+                        parts.append((where, part))
+                fetched.append((module, planned, out, parts))
+
+        def deliver() -> None:
+            for module, planned, out, parts in fetched:
+                for where, part in parts:
+                    out[where] = part.out
+                module.fetched(planned, out)
+
+        return (jobs if found else None), deliver
 
     def pull(self, obj: Tensors) -> int:
         """Copy the shards' current weights into `obj` in place; return the lowest shard version.
@@ -430,7 +452,10 @@ class PSClient:
         """
         b = self._bind(obj)
         grads = b.gradients(isinstance(obj, torch.nn.Module))
-        return self._exchange(b, grads=grads, step=self._next_step(step), pull=False, rows=self._row_jobs(b))
+        rows, deliver = self._row_jobs(b)
+        version = self._exchange(b, grads=grads, step=self._next_step(step), pull=False, rows=rows)
+        deliver()
+        return version
 
     def push_pull(self, obj: Tensors, step: int | None = None) -> int:
         """Push the gradient, then pull the weights that include it into `obj`: one exchange per shard, all
@@ -439,10 +464,16 @@ class PSClient:
         Raises like `push`; after Aborted (the round closed without this push) call `pull` to catch up. After
         PullTimeout the push was taken but its round is still open (in sync mode: workers yet to join or to push);
         `pull` waits for that round again.
+
+        A model's SparseEmbedding tables push the gradients of the rows their forward passes touched, and fetch
+        the rows of the IDs named by their `prefetch` (the next batch's), read after this update applied.
         """
         b = self._bind(obj)
         grads = b.gradients(isinstance(obj, torch.nn.Module))
-        return self._exchange(b, grads=grads, step=self._next_step(step), pull=True, rows=self._row_jobs(b))
+        rows, deliver = self._row_jobs(b)
+        version = self._exchange(b, grads=grads, step=self._next_step(step), pull=True, rows=rows)
+        deliver()
+        return version
 
     def _next_step(self, step: int | None) -> int:
         if step is None:

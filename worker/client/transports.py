@@ -307,6 +307,19 @@ class Grpc(Transport):
                 receiver.add(chunk.piece, chunk.offset, chunk.data)
             receiver.finish()
             reply.pulled.CopyFrom(first.header)
+        if job.sparse is not None and job.sparse.lookups:
+            # The streams carry no lookups: one more call, after the pull, waiting for the same version.
+            ask = ps_pb2.ExchangeRequest(
+                worker_id=req.worker_id,
+                model_digest=req.model_digest,
+                min_version=reply.pulled.version if job.flats is not None else req.min_version,
+                incarnation=req.incarnation,
+                inline=True,
+                lookup=job.sparse.entries(inline=True)[1],
+            )
+            looked: ps_pb2.ExchangeResponse = self.stub.Exchange(ask, timeout=job.timeout)
+            job.sparse.take(looked, self.address)
+            reply.rows_version = looked.rows_version
         return reply
 
 
