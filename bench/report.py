@@ -353,10 +353,11 @@ def _sparse(ix: _Index) -> list[str]:
         "## Sparse tables: a step on 4,096 Zipf IDs against the same step in plain torch",
         "",
         'A worker process (1 torch thread) trains one `SparseEmbedding(dim, num_embeddings=1M, optimizer="adagrad")` '
-        "and a one-element dense parameter: forward (torch.unique of the batch and one lookup exchange per shard), "
-        "loss = sum, backward, `push_pull` (the touched rows' summed gradients and the dense gradient, one exchange "
-        "per shard); sync mode, 1 worker. Local: `nn.Embedding(1M, dim, sparse=True)` + `torch.optim.Adagrad`, the "
-        "same batches (Zipf(1.1) mod 1M, about 2,400 unique IDs of 4,096), 1 torch thread, in a process of its own. "
+        "and a one-element dense parameter: forward (torch.unique of the batch; its rows came with the previous "
+        "push_pull, as the table was told to prefetch them), loss = sum, backward, `push_pull` (the touched rows' "
+        "summed gradients, the dense gradient and the next batch's rows, one exchange per shard); sync mode, 1 "
+        "worker. Local: `nn.Embedding(1M, dim, sparse=True)` + `torch.optim.Adagrad`, the same batches (Zipf(1.1) "
+        "mod 1M, about 2,400 unique IDs of 4,096), 1 torch thread, in a process of its own. "
         "Both after one warm-up pass over the batches (so every row exists on the shards); rounds of local and PS "
         "steps in turn, and ÷ local is the median of each round's ratio of medians. 1 shard is the per-shard "
         "figure, 2 shards end to end.",

@@ -6,13 +6,14 @@ Every figure is a ratio against a baseline measured in the same run, the two mea
   trains a model of one `SparseEmbedding(dim, num_embeddings=1M, optimizer="adagrad")` and a one-element dense
   parameter. A step is the forward pass (torch.unique of the batch; its rows came with the last push_pull, as the
   table was told to `prefetch` the batch), loss = the output's sum, backward, `client.push_pull(model)` (the dense
-  gradient and the touched rows' summed gradients, and the next batch's rows, one exchange per shard). The baseline, in a process of its own (1 torch thread), is the
-  same step with `nn.Embedding(1M, dim, sparse=True)` and `torch.optim.Adagrad`. Both sides cycle through the same
-  pre-drawn batches (numpy's Zipf(1.1) mod 1M: about 2,400 unique IDs of 4,096) after one warm-up pass over them,
-  so every row the timed steps touch already exists on the shards. Rounds alternate: some local steps, then as
-  many PS steps; the ratio figure's repeats are each round's median PS step over that round's median local step.
-  Paths: "shm" (shared memory, the default on the shards' host), "socket" (the data socket, the default from
-  another host, here over loopback), "grpc" (`data_socket=False`).
+  gradient and the touched rows' summed gradients, and the next batch's rows, one exchange per shard). The
+  baseline, in a process of its own (1 torch thread), is the same step with `nn.Embedding(1M, dim, sparse=True)`
+  and `torch.optim.Adagrad`. Both sides cycle through the same pre-drawn batches (numpy's Zipf(1.1) mod 1M: about
+  2,400 unique IDs of 4,096) after one warm-up pass over them, so every row the timed steps touch already exists
+  on the shards. Rounds alternate: some local steps, then as many PS steps; the ratio figure's repeats are each
+  round's median PS step over that round's median local step. Paths: "shm" (shared memory, the default on the
+  shards' host), "socket" (the data socket, the default from another host, here over loopback), "grpc"
+  (`data_socket=False`).
 - Throughput: one shard (async mode, so no worker waits for a round) and 4 worker processes each doing that step
   as fast as it can for a window; IDs/s = every worker's IDs over the window, against the local step's rate (4,096
   IDs over the local step time, 1 thread), measured between the windows. 5 processes share the machine's cores.

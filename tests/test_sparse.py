@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from paramserver.config import ServerConfig
+from paramserver.errors import Aborted
 from paramserver.tables import initial_rows, shard_of
 from worker import PSClient, SparseEmbedding
 
@@ -297,8 +298,13 @@ def test_a_shard_killed_mid_training_comes_back_with_its_checkpointed_rows(tmp_p
         with torch.no_grad():
             rows = model.item(torch.from_numpy(held["ids"]))
         np.testing.assert_array_equal(rows.numpy(), held["values"])
+        refused = 0
         for batch in batches[20:]:
             model.zero_grad(set_to_none=True)
             loss_of(model, batch).backward()
-            client.push_pull(model)
-        assert min(client.versions) > 0
+            try:
+                client.push_pull(model)
+            except Aborted:  # computed on a version the restarted shard no longer has: catch up, as ps-worker does
+                refused += 1
+                client.pull(model)
+        assert refused <= 1 and min(client.versions) > 0
