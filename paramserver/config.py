@@ -123,6 +123,14 @@ class ServerConfig:
     checkpoint_every: str = config_field(
         "100", "checkpoint every N versions ('100'), or every N seconds ('30s'); 0 = only on SIGTERM"
     )
+    wal_sync: str = config_field(
+        "write",
+        "with --checkpoint-dir, every applied version is logged before the pushes it holds are acknowledged, and a "
+        "restarted shard replays the log over its newest checkpoint: write (the record is handed to the kernel: "
+        "survives a kill of the shard process, not a crash of its host) or fsync (also synced to disk, in groups: "
+        "survives a host crash or power loss, and costs a disk flush per group of updates)",
+        choices=("write", "fsync"),
+    )
     exit_when_done: bool = config_field(
         False,
         "stop the shard (final checkpoint, exit 0) once the job is done: every one of its workers "
@@ -197,6 +205,8 @@ class ServerConfig:
             raise ValueError("max_pending_connections must be at least 1")
         if self.max_table_bytes < 1:
             raise ValueError(f"max_table_bytes must be positive, not {self.max_table_bytes}")
+        if self.wal_sync not in ("write", "fsync"):
+            raise ValueError(f"wal_sync must be write or fsync, not {self.wal_sync!r}")
         if self.table_overflow not in ("evict", "refuse"):
             raise ValueError(f"table_overflow must be evict or refuse, not {self.table_overflow!r}")
         from paramserver.v1.ps_pb2 import JoinRequest

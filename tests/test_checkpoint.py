@@ -429,14 +429,15 @@ def test_shards_restore_exactly_the_state_they_stopped_with(
     saved = [s.state_bytes() for s in first.shards]
     versions = [s.describe().version for s in first.shards]
     assert versions == [4, 4]
-    assert all(s.describe().stats.checkpoints == 0 for s in first.shards)  # checkpoint_every="0": only at stop
+    # checkpoint_every="0": only the Init's (version 0, the base the write-ahead log replays over) and at stop
+    assert all(s.describe().stats.checkpoints == 1 for s in first.shards)
 
     first.stop()
 
-    assert [s.describe().stats.checkpoints for s in first.shards] == [1, 1]
+    assert [s.describe().stats.checkpoints for s in first.shards] == [2, 2]
     for index in (0, 1):
         assert [p.name for p in checkpoint.list_checkpoints(tmp_path, index)] == [
-            checkpoint.path_for(tmp_path, index, 4).name
+            checkpoint.path_for(tmp_path, index, v).name for v in (4, 0)
         ]
     second = ps_cluster_factory(config, shards=2)
     assert [s.state_bytes() for s in second.shards] == saved
@@ -503,7 +504,7 @@ def test_checkpoint_every_n_versions_gives_a_consistent_set(
             snap = checkpoint.load(path)
             assert snap.version == version and snap.shard_index == index and snap.num_shards == 2
             assert torch.equal(snap.params, _expected_shard_params(_weights_after(version), 2, index))
-    assert [s.describe().stats.checkpoints for s in cluster.shards] == [3, 3]
+    assert [s.describe().stats.checkpoints for s in cluster.shards] == [4, 4]  # and the Init's, version 0
 
 
 # -- shards: time-based checkpoints ----------------------------------------------------------------------------------
@@ -537,13 +538,16 @@ def test_checkpoint_every_n_seconds_writes_after_the_interval_with_no_version_tr
     # checkpoint_every="0": no tick ever writes one (a tick now comes a second or more after the push)...
     for shard in only_at_stop.shards:
         shard.tick()
-    assert [s.describe().stats.checkpoints for s in only_at_stop.shards] == [0, 0]
-    assert checkpoint.list_checkpoints(final_dir, 0) == checkpoint.list_checkpoints(final_dir, 1) == []
+    assert [s.describe().stats.checkpoints for s in only_at_stop.shards] == [1, 1]  # the Init's (version 0)
+    for index in (0, 1):
+        assert checkpoint.list_checkpoints(final_dir, index) == [checkpoint.path_for(final_dir, index, 0)]
     # ...only the stop does.
     only_at_stop.stop()
-    assert [s.describe().stats.checkpoints for s in only_at_stop.shards] == [1, 1]
+    assert [s.describe().stats.checkpoints for s in only_at_stop.shards] == [2, 2]
     for index in (0, 1):
-        assert checkpoint.list_checkpoints(final_dir, index) == [checkpoint.path_for(final_dir, index, 1)]
+        assert checkpoint.list_checkpoints(final_dir, index) == [
+            checkpoint.path_for(final_dir, index, v) for v in (1, 0)
+        ]
 
 
 def _pushed_shard(config: ServerConfig, pushes: int) -> Shard:

@@ -313,6 +313,8 @@ class ExchangeHandler:
                 raise ValueError("a push names its model: see ExchangeHandler.model")
             reply.version, reply.applied = self._push(want, model, source, rows)
             metrics.bytes_in.inc(source.nbytes + sum(b.nbytes for b in rows))
+            # Acknowledged only once the update holding it is logged (a shard with a checkpoint_dir).
+            self.shard.wait_durable(want.worker_id, _clamp(timeout, self.shard.config.pull_timeout))
             if not reply.applied:  # a retry of a push taken before: its version may be older than base + 1
                 want = dataclasses.replace(want, min_version=min(want.min_version, reply.version))
         wait = _clamp(timeout, self.shard.config.pull_timeout)
@@ -351,7 +353,7 @@ class ExchangeHandler:
         shard = self.shard
         held = model if model is not None else shard.require_model(want.digest)
         held.tables.check(sparse.lookups)
-        stale = bool(want.incarnation) and want.incarnation != shard.incarnation
+        stale = bool(want.incarnation) and want.incarnation != shard.incarnation and not shard.durable
         min_version = 0 if stale else want.min_version
         if reply.HasField("pulled"):
             min_version = reply.pulled.version  # the rows of the weights' version, or a later one
@@ -364,8 +366,8 @@ class ExchangeHandler:
     def _pull(self, want: Want, sink: WeightsSink, timeout: float, reply: ps_pb2.ExchangeResponse) -> None:
         shard = self.shard
         # A version asked of an earlier incarnation (the shard restarted from an older checkpoint since) may never
-        # come: answer with the current weights instead.
-        stale = bool(want.incarnation) and want.incarnation != shard.incarnation
+        # come: answer with the current weights instead. A durable shard restarts with every version it told of.
+        stale = bool(want.incarnation) and want.incarnation != shard.incarnation and not shard.durable
         version, model = sink.pull(shard, 0 if stale else want.min_version, timeout, want.worker_id, reply)
         try:
             reply.pulled.version = version

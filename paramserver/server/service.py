@@ -255,7 +255,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             want = Want(header.worker_id, header.model_digest, header.step, header.base_version)
             model = self.handler.model(header.model_digest)
             sparse = self._inline_sparse(model, header.rows, ())
-            reply = self.handler.exchange(want, model, StreamGradient(stream, header.dtype), None, 0.0, sparse)
+            source = StreamGradient(stream, header.dtype)
+            reply = self.handler.exchange(want, model, source, None, self._timeout(context), sparse)
             return ps_pb2.PushResponse(version=reply.version, applied=reply.applied)
 
     def Attach(self, request: ps_pb2.AttachRequest, context: grpc.ServicerContext) -> ps_pb2.AttachResponse:

@@ -19,6 +19,7 @@ import logging
 import re
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -250,10 +251,13 @@ class CheckpointWriter:
     At most `depth` snapshots wait; a producer beyond that blocks (backpressure rather than unbounded memory).
     """
 
-    def __init__(self, directory: str | Path, depth: int = 2) -> None:
+    def __init__(
+        self, directory: str | Path, depth: int = 2, on_saved: Callable[[Snapshot], object] | None = None
+    ) -> None:
         import queue
         import threading
 
+        self.on_saved = on_saved  # called with each snapshot once its file is on disk
         self.directory = Path(directory)
         self.last_path: Path | None = None
         self.errors = 0
@@ -279,6 +283,8 @@ class CheckpointWriter:
             try:
                 started = time.monotonic()
                 self.last_path = save(self.directory, snap)
+                if self.on_saved is not None:
+                    self.on_saved(snap)
                 log.info(
                     "shard %d: checkpoint at version %d written to %s in %.2f s",
                     snap.shard_index,

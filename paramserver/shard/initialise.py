@@ -57,7 +57,12 @@ class InitSlot:
             shard.adopt_locked(model, version=0)
             digest, pieces = model.digest[:12], len(model.pieces)
             log.info("shard %d: model %s initialised: %d pieces, %d elements", shard.index, digest, pieces, model.numel)
-            return shard.version
+            version = shard.version
+            if shard.durable:  # the base the write-ahead log replays over
+                shard.checkpoint_locked()
+        if shard.durable:
+            shard.checkpoints.flush()  # on disk before the Init is acknowledged
+        return version
 
     def _check_not_held(self, digest: str) -> None:
         held, index = self._shard.model, self._shard.index

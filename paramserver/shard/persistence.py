@@ -14,9 +14,10 @@ import torch
 
 from paramserver.config import ServerConfig
 from paramserver.placement import place
-from paramserver.shard import checkpoint
+from paramserver.shard import checkpoint, wal
 from paramserver.shard.model import ShardModel, build_model
 from paramserver.shard.optimizers import take_run_settings
+from paramserver.shard.sparse import RowBlock
 
 if TYPE_CHECKING:
     from paramserver.shard.state import Shard
@@ -25,14 +26,57 @@ log = logging.getLogger(__name__)
 
 
 class Checkpoints:
-    """A shard's checkpoint schedule (every N versions, or every N seconds) and its background writer (none
-    without a checkpoint_dir: then nothing is written, but the schedule still runs)."""
+    """A shard's checkpoint schedule (every N versions, or every N seconds), its background writer, and its
+    write-ahead log (neither without a checkpoint_dir: then nothing is written, but the schedule still runs).
+
+    With a log, every applied version is logged (`log`) before the pushes it holds are acknowledged (`durable`),
+    a checkpoint starts a new log segment, and the segments it covers are deleted once it is on disk."""
 
     def __init__(self, config: ServerConfig) -> None:
+        self.config = config
         self.every_versions, self.every_seconds = config.checkpoint_schedule()
-        self.writer = checkpoint.CheckpointWriter(config.checkpoint_dir) if config.checkpoint_dir else None
+        self.writer = (
+            checkpoint.CheckpointWriter(config.checkpoint_dir, on_saved=self._saved) if config.checkpoint_dir else None
+        )
+        self.wal: wal.WriteAheadLog | None = None
         self._last = time.monotonic()
         self._final_written = False
+
+    # -- the write-ahead log ------------------------------------------------------------------------------------
+
+    def open_log(self, index: int, version: int) -> None:
+        """Start logging the versions after `version` (the shard's own, once restored)."""
+        if self.config.checkpoint_dir and self.wal is None:
+            self.wal = wal.WriteAheadLog(self.config.checkpoint_dir, index, version, self.config.wal_sync == "fsync")
+
+    def forget_log(self, index: int) -> None:
+        """Delete a log no checkpoint can be replayed under (a shard that restored nothing)."""
+        if self.config.checkpoint_dir:
+            for _, path in wal.segments(self.config.checkpoint_dir, index):
+                log.warning("shard %d: %s has no checkpoint to replay it over: deleted", index, path)
+                path.unlink(missing_ok=True)
+
+    def log(
+        self, version: int, pushes: Sequence[tuple[str, int]], grad: torch.Tensor, rows: Sequence[RowBlock]
+    ) -> None:
+        """Log what `version` applies (call under the shard's lock, in version order, before the version shows)."""
+        if self.wal is not None:
+            self.wal.append(version, pushes, grad.numpy(), rows)
+
+    def log_full(self, model_bytes: int) -> bool:
+        """Whether the log has grown past what a checkpoint costs (4x the shard's part, and at least 64 MB): then
+        a checkpoint is due, whatever the schedule, so that a restart never replays more than that."""
+        return self.wal is not None and self.wal.bytes > max(4 * model_bytes, 64 << 20)
+
+    def wait_durable(self, version: int, timeout: float) -> bool:
+        """Wait until `version`'s record is as durable as --wal-sync promises (at once without a log)."""
+        return self.wal is None or self.wal.wait_durable(version, timeout)
+
+    def _saved(self, snap: checkpoint.Snapshot) -> None:
+        if self.wal is not None:
+            self.wal.drop_before(snap.version)
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
 
     def due_at(self, version: int) -> bool:
         """Whether applying `version` calls for a checkpoint: the same versions on every shard, so that in sync
@@ -48,8 +92,16 @@ class Checkpoints:
         self._last = time.monotonic()
         if self.writer is None or shard.model is None:
             return False
-        self.writer.submit(snapshot(shard))
+        snap = snapshot(shard)
+        if self.wal is not None:
+            self.wal.rotate(snap.version)
+        self.writer.submit(snap)
         return True
+
+    def flush(self) -> None:
+        """Wait until every checkpoint taken so far is on disk."""
+        if self.writer is not None:
+            self.writer.flush()
 
     def take_final(self, shard: Shard) -> bool:
         """Take the one final checkpoint of a closing shard (under its lock); False if taken before or none."""
@@ -59,9 +111,11 @@ class Checkpoints:
         return self.take(shard)
 
     def close(self) -> None:
-        """Write what is queued and stop the writer."""
+        """Write what is queued and stop the writer, then the log."""
         if self.writer is not None:
             self.writer.close()
+        if self.wal is not None:
+            self.wal.close()
 
 
 def snapshot(shard: Shard) -> checkpoint.Snapshot:
@@ -122,3 +176,33 @@ def restored(
     model.tables.restore(snap.tables)
     take_run_settings(model.optimizer, config)  # the flags of this run win over the saved hyperparameters
     return model, snap
+
+
+def replay(shard: Shard, model: ShardModel, after: int) -> int:
+    """Apply the logged versions after `after` to `model` (restored from the checkpoint of `after`), recording
+    their pushes as applied; return the version reached. The same gradients through the same optimizer: the
+    shard's state is exactly what it was when it logged them."""
+    config = shard.config
+    version = after
+    if not config.checkpoint_dir:
+        return version
+    for rec in wal.records(config.checkpoint_dir, shard.index, after):
+        if rec.grad.size != model.numel:
+            log.error(
+                "shard %d: the log's version %d has %d elements, the model %d: stopping the replay there",
+                shard.index,
+                rec.version,
+                rec.grad.size,
+                model.numel,
+            )
+            break
+        model.step(torch.from_numpy(rec.grad.copy()))
+        if model.tables:
+            rows = [RowBlock(b.table, b.ids.copy(), None if b.values is None else b.values.copy()) for b in rec.rows]
+            model.tables.apply(rows, rec.version, rec.wall)
+        for worker_id, step in rec.pushes:
+            shard.applied.record(worker_id, step)
+        version = rec.version
+    if version > after:
+        log.info("shard %d: replayed versions %d..%d from the write-ahead log", shard.index, after + 1, version)
+    return version

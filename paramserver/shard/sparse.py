@@ -214,10 +214,10 @@ class ShardTables:
         """The current rows of each block's IDs (initial values where none is held)."""
         return [self.tables[b.table].lookup(b.ids) for b in blocks]
 
-    def apply(self, blocks: Sequence[RowBlock], version: int) -> None:
+    def apply(self, blocks: Sequence[RowBlock], version: int, wall: float | None = None) -> None:
         """Apply one update's row gradients (each block's IDs unique), then evict what the tables' policies and
-        the memory cap say."""
-        now = time.monotonic()
+        the memory cap say. `wall`: when the update first applied (time.time(); a replay's), else now."""
+        now = time.monotonic() if wall is None else wall - (time.time() - time.monotonic())
         for b in blocks:
             assert b.values is not None
             self.tables[b.table].apply(b.ids, b.values, version, now)

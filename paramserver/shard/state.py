@@ -87,6 +87,7 @@ class Shard:
         # A new value each time a shard process starts: versions a worker waits for refer to one incarnation.
         self.incarnation = uuid.uuid4().hex
         self.init_slot = InitSlot(self, self._cond)
+        self._round_pushes: list[tuple[str, int]] = []  # (worker, step) of the pushes the next update holds
 
     # -- membership --------------------------------------------------------------------------------------------
 
@@ -172,6 +173,8 @@ class Shard:
         """
         found = persistence.restored(self.config, self.index, self.addresses)
         if found is None:
+            self.checkpoints.forget_log(self.index)
+            self.checkpoints.open_log(self.index, 0)
             return False
         model, snap = found
         with self._cond:
@@ -179,13 +182,36 @@ class Shard:
             self.membership.ever_full = snap.ever_full
             self.applied = AppliedLog.restore(snap.applied)
             self.finished_workers = snap.finished_workers
+            self.version = persistence.replay(self, model, snap.version)
+            self.metrics.version.set(self.version)
+            self.checkpoints.open_log(self.index, self.version)
         log.info("shard %d: restored version %d of model %s", self.index, snap.version, snap.digest[:12])
         return True
+
+    @property
+    def durable(self) -> bool:
+        """Whether every acknowledged update is in a write-ahead log (a checkpoint_dir is set): a restart then
+        resumes at the newest version any worker was told of."""
+        return self.checkpoints.wal is not None
+
+    def wait_durable(self, worker_id: str, timeout: float) -> None:
+        """Wait until the update holding this worker's last push is logged as --wal-sync promises (in sync mode:
+        until its round applied); PullTimeout after `timeout` seconds. At once without a log."""
+        if not self.durable:
+            return
+        with self._cond:
+            version = self.version + self.policy.pending(worker_id)
+        if not self.checkpoints.wait_durable(version, timeout):
+            raise PullTimeout(
+                f"shard {self.index}: the push was taken, but version {version}, which holds it, was not durable "
+                f"after {timeout:.1f} s: {self.policy.waiting_for(self)}; push again (it applies once)"
+            )
 
     def adopt_locked(self, model: ShardModel, version: int) -> None:
         """Hold `model` at `version` from now on, with a fresh round and scratch pool (call under the lock)."""
         self.model = model
         self.version = version
+        self._round_pushes = []
         self.policy.reset(model.numel)
         self._pool = BufferPool(self.config.max_concurrent_pushes, model.numel)
         self._cond.notify_all()
@@ -238,10 +264,16 @@ class Shard:
                 # round is open, else this one.
                 return self.version + self.policy.pending(worker_id), False
             model.tables.check_room(rows)
+            self._round_pushes.append((worker_id, step))  # logged with the update that applies it
             try:
                 self.policy.submit(self, worker_id, base_version, torch.from_numpy(grad), lent=lent, rows=rows)
             except StaleRound:
+                self._round_pushes.remove((worker_id, step))
                 self.stats.late_pushes += 1
+                raise
+            except BaseException:
+                if (worker_id, step) in self._round_pushes:
+                    self._round_pushes.remove((worker_id, step))
                 raise
             self.applied.record(worker_id, step)
             self.metrics.pushed("applied")
@@ -282,6 +314,9 @@ class Shard:
         model = self.model
         assert model is not None
         started = time.perf_counter()
+        # Logged before it applies and before the version shows: no worker hears of a version the log lacks.
+        self.checkpoints.log(self.version + 1, self._round_pushes, grad, rows)
+        self._round_pushes = []
         model.step(grad)
         if model.tables:
             model.tables.apply(rows, self.version + 1)
@@ -296,7 +331,7 @@ class Shard:
             m.staleness.observe(staleness)
         if straggler is not None:
             m.straggler(self.membership.rank_of(straggler))
-        if self.checkpoints.due_at(self.version):
+        if self.checkpoints.due_at(self.version) or self.checkpoints.log_full(model.numel * 4):
             self.checkpoint_locked()
 
     # -- pull --------------------------------------------------------------------------------------------------
