@@ -10,7 +10,7 @@ PORT ?= 0
 MODEL ?= cnn
 DEMO_ARGS ?=
 
-.PHONY: install demo test lint proto clean bench bench-smoke deploy-check image image-test netns-test netns-clean monitoring-test js-test
+.PHONY: install demo test lint proto clean bench bench-smoke stress deploy-check image image-test netns-test netns-clean monitoring-test js-test
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ bench-smoke: $(STAMP)
 ## bench: the benchmark suite against its baselines, in one run -> bench/results/latest.{json,md,png}
 bench: $(STAMP)
 	$(PY) bench/run.py $(BENCH_ARGS)
+
+## stress: SIGKILL shards and workers at random moments (async and sync, over shared memory and the data socket);
+## exact arithmetic checks that no acknowledged push is lost or applied twice (a few minutes; STRESS_ARGS=--seed N)
+stress: $(STAMP)
+	$(PY) bench/stress_kills.py $(STRESS_ARGS)
 
 ## deploy-check: render the k8s overlays, validate schemas offline, checkov, tests/test_manifests.py
 deploy-check: $(STAMP)
