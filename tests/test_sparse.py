@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from paramserver.config import ServerConfig
-from paramserver.errors import Aborted
 from paramserver.tables import initial_rows, shard_of
 from worker import PSClient, SparseEmbedding
 

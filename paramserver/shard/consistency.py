@@ -164,7 +164,7 @@ class SyncPolicy:
         if not shard.membership.ever_full:
             return (
                 f"round {shard.version} has {have} gradient(s); the job has had only "
-                f"{len(shard.membership.live)} of its {shard.membership.world_size} workers join"
+                f"{len(shard.membership.live)} of its {shard.membership.expected} workers join"
             )
         return f"round {shard.version} has {have} gradient(s), waiting for workers {missing}"
 
@@ -189,7 +189,7 @@ class SyncPolicy:
         """Whether a round with gradients from these workers may apply."""
         if len(shard.membership.live - contributors) > self.backup_workers:
             return False
-        return shard.membership.ever_full or len(contributors) >= shard.membership.world_size - self.backup_workers
+        return shard.membership.ever_full or len(contributors) >= shard.membership.expected - self.backup_workers
 
     def _close_if_complete(self, shard: Applier) -> None:
         if not self._contributors or not self._complete(shard, self._contributors):

@@ -71,8 +71,17 @@ class Membership:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self._workers: dict[str, Worker] = {}
-        # A sync job starts once it has had all its workers; until then a round waits for world_size of them.
+        # A sync job starts once it has had all its workers; until then a round waits for `expected` of them.
         self.ever_full = False
+        self.expected = world_size  # fewer after a restart of a job some of whose workers have finished
+
+    def rejoin_all(self, finished: int) -> None:
+        """After a restart from a checkpoint: wait, as at the start, for the job's workers (but the `finished` ones)
+        to join again before a sync round closes. A round closed by the first worker back would hold its step
+        alone, and the others' pushes of that step would be refused here while another shard took them: the
+        shards' rounds would then hold different steps, each waiting for a worker stuck on the other."""
+        self.ever_full = False
+        self.expected = max(1, self.world_size - finished)
 
     def join(self, worker_id: str) -> Worker:
         """Add a worker (or renew one that is already in) and return it with its rank."""
@@ -91,7 +100,7 @@ class Membership:
             )
         worker = Worker(worker_id, free[0], time.monotonic())
         self._workers[worker_id] = worker
-        if len(self._workers) >= self.world_size:
+        if len(self._workers) >= self.expected:
             self.ever_full = True
         return worker
 

@@ -179,7 +179,7 @@ class Shard:
         model, snap = found
         with self._cond:
             self.adopt_locked(model, snap.version)
-            self.membership.ever_full = snap.ever_full
+            self.membership.rejoin_all(snap.finished_workers)
             self.applied = AppliedLog.restore(snap.applied)
             self.finished_workers = snap.finished_workers
             self.version = persistence.replay(self, model, snap.version)
