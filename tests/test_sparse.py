@@ -265,8 +265,7 @@ def test_prefetching_the_next_batch_rows_changes_nothing_but_the_round_trips(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mode", ["async", "ssp"])
-def test_a_shard_killed_mid_training_comes_back_with_every_row_it_acknowledged(tmp_path: object, mode: str) -> None:
+def test_a_shard_killed_mid_training_comes_back_with_every_row_it_acknowledged(tmp_path: object) -> None:
     """SIGKILL a shard process of a sparse model; restarted (its newest checkpoint and the write-ahead log after
     it), it serves exactly the rows and version it had acknowledged, and the worker trains on to the end."""
     from pathlib import Path
@@ -275,7 +274,7 @@ def test_a_shard_killed_mid_training_comes_back_with_every_row_it_acknowledged(t
 
     ckpt = Path(str(tmp_path)) / "ckpt"
     config = ServerConfig(
-        mode=mode, workers=1, optimizer="adagrad", lr=0.1, checkpoint_dir=str(ckpt), checkpoint_every="7"
+        mode="async", workers=1, optimizer="adagrad", lr=0.1, checkpoint_dir=str(ckpt), checkpoint_every="7"
     )
     torch.manual_seed(6)
     model = PSModel()
