@@ -1,7 +1,8 @@
 """Checkpoints: the file format (round trip, atomic write, rotation, corruption) and shards that restore from it.
 
-The format is `b"PSCKPT01" | u64 header length | header JSON | tensor bytes | sha256`, so every test can reason
-about the bytes directly. The shard-level tests run real shards as threads (`ps_cluster_factory`) or build
+The format is safetensors, `u64 header length | header JSON | tensor bytes`, whose header's `__metadata__` begins
+with the file's sha256 (of the file with those hex digits read as "0"s), so every test can reason about the bytes
+directly. The shard-level tests run real shards as threads (`ps_cluster_factory`) or build
 `Shard` objects directly, and compare `Shard.state_bytes()` (weights, optimizer state, version) before and after.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,7 +28,7 @@ from paramserver.config import ServerConfig
 from paramserver.placement import TensorSpec, place
 from paramserver.server.cluster import LocalCluster
 from paramserver.shard import checkpoint
-from paramserver.shard.checkpoint import KEEP, MAGIC, CorruptCheckpoint, Snapshot
+from paramserver.shard.checkpoint import KEEP, LEGACY_MAGIC, CorruptCheckpoint, Snapshot
 from paramserver.shard.state import Shard, make_optimizer
 from worker.client import PSClient
 
@@ -96,21 +98,78 @@ def _assert_same(got: Any, want: Any, where: str = "state") -> None:
 
 
 def _header_length(data: bytes) -> int:
-    return struct.unpack_from("<Q", data, len(MAGIC))[0]
+    return struct.unpack_from("<Q", data, 0)[0]
+
+
+SEAL_AT = len(b'{"__metadata__":{"sha256":"')  # where the checksum's hex digits begin in the header
+
+
+def _seal(data: bytes) -> str:
+    """The checksum a file should carry: the sha256 of the file with its checksum digits read as "0"s."""
+    at = 8 + SEAL_AT
+    return hashlib.sha256(data[:at] + b"0" * 64 + data[at + 64 :]).hexdigest()
 
 
 def _reseal(header: dict[str, Any] | bytes, payload: bytes) -> bytes:
-    """A file with a correct checksum around any header and payload (what a buggy writer could produce)."""
-    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
-    body = MAGIC + struct.pack("<Q", len(raw)) + raw + payload
-    return body + hashlib.sha256(body).digest()
+    """A file with a correct checksum around any header and payload (what a buggy writer could produce); a header
+    given as bytes must begin with the checksum's place, as the writer's does."""
+    if isinstance(header, bytes):
+        raw = header
+    else:
+        meta = {"sha256": "0" * 64, **header.get("__metadata__", {})}
+        header = {"__metadata__": meta, **{k: v for k, v in header.items() if k != "__metadata__"}}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+    data = struct.pack("<Q", len(raw)) + raw + payload
+    at = 8 + SEAL_AT
+    return data[:at] + _seal(data).encode() + data[at + 64 :]
 
 
 def _split(data: bytes) -> tuple[dict[str, Any], bytes]:
     """A valid file's header (parsed) and tensor bytes."""
-    start = len(MAGIC) + 8
     hlen = _header_length(data)
-    return json.loads(data[start : start + hlen]), data[start + hlen : -32]
+    return json.loads(data[8 : 8 + hlen]), data[8 + hlen :]
+
+
+def _description(header: dict[str, Any]) -> dict[str, Any]:
+    """The paramserver description a header's metadata holds."""
+    return json.loads(header["__metadata__"]["paramserver"])
+
+
+def _legacy_file(snap: Snapshot) -> bytes:
+    """`snap` (with no tables) in the first format: b"PSCKPT01" | u64 header length | header | tensors | sha256."""
+    tensors = [snap.params, *[t for st in snap.optimizer_state["state"].values() for t in st.values()]]
+    layout, offset, refs = [], 0, iter(range(len(tensors) - 1))
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        layout.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset})
+        layout[-1]["nbytes"] = nbytes
+        offset += nbytes
+    state = {
+        "__dict__": [
+            [k, {"__dict__": [[n, {"__tensor__": next(refs)}] for n in st]}]
+            for k, st in snap.optimizer_state["state"].items()
+        ]
+    }
+    groups = [
+        {"__dict__": [[k, {"__tuple__": list(v)} if isinstance(v, tuple) else v] for k, v in g.items()]}
+        for g in snap.optimizer_state["param_groups"]
+    ]
+    header = {
+        "format": 1,
+        "shard_index": snap.shard_index,
+        "num_shards": snap.num_shards,
+        "specs": [[s.name, list(s.shape)] for s in snap.specs],
+        "digest": snap.digest,
+        "version": snap.version,
+        "optimizer": snap.optimizer,
+        "optimizer_state": {"__dict__": [["state", state], ["param_groups", groups]]},
+        "ever_full": snap.ever_full,
+        "applied": snap.applied,
+        "tensors": layout,
+    }
+    raw = json.dumps(header).encode()
+    body = LEGACY_MAGIC + struct.pack("<Q", len(raw)) + raw + b"".join(t.numpy().tobytes() for t in tensors)
+    return body + hashlib.sha256(body).digest()
 
 
 # -- round trip -------------------------------------------------------------------------------------------------
@@ -173,6 +232,22 @@ def test_round_trip_of_plain_sgd_without_optimizer_state(tmp_path: Path) -> None
     assert torch.equal(loaded.params, snap.params)
 
 
+def test_a_file_of_the_first_format_is_still_read(tmp_path: Path) -> None:
+    snap = _snapshot(optimizer="adam")
+    path = checkpoint.path_for(tmp_path, 0, 3)
+    path.write_bytes(_legacy_file(snap))
+
+    loaded = checkpoint.load_latest(tmp_path, 0)
+
+    assert loaded is not None and (loaded.version, loaded.applied, loaded.ever_full) == (3, snap.applied, True)
+    assert torch.equal(loaded.params, snap.params)
+    assert loaded.optimizer_state["param_groups"] == snap.optimizer_state["param_groups"]
+    _assert_same(loaded.optimizer_state["state"], snap.optimizer_state["state"], "state")
+    path.write_bytes(_flip(path.read_bytes(), 100))
+    with pytest.raises(CorruptCheckpoint, match="checksum mismatch"):
+        checkpoint.load(path)
+
+
 # -- atomic write, rotation, listing ------------------------------------------------------------------------------
 
 
@@ -233,18 +308,28 @@ def test_checkpoint_writer_writes_in_the_background_and_survives_a_failed_write(
 # -- no pickle -----------------------------------------------------------------------------------------------------
 
 
-def test_file_is_magic_json_and_raw_bytes_without_pickle(tmp_path: Path) -> None:
+def test_file_is_safetensors_with_a_json_description_and_no_pickle(tmp_path: Path) -> None:
     snap = _snapshot()
-    data = checkpoint.save(tmp_path, snap).read_bytes()
+    path = checkpoint.save(tmp_path, snap)
+    data = path.read_bytes()
 
-    assert data.startswith(b"PSCKPT01")
     header, payload = _split(data)
-    assert header["version"] == 3 and header["optimizer"] == "adam"
-    assert data[-32:] == hashlib.sha256(data[:-32]).digest()
-    first = header["tensors"][0]
-    assert (first["dtype"], first["shape"], first["offset"]) == ("float32", [NUMEL], 0)
-    assert payload[: 4 * NUMEL] == snap.params.numpy().astype("<f4").tobytes()
-    assert len(payload) == sum(t["nbytes"] for t in header["tensors"])
+    meta = header["__metadata__"]
+    assert list(meta) == ["sha256", "format", "paramserver"] and meta["format"] == "2"
+    assert data[8 : 8 + SEAL_AT] == b'{"__metadata__":{"sha256":"' and meta["sha256"] == _seal(data)
+    description = _description(header)
+    assert description["version"] == 3 and description["optimizer"] == "adam"
+    assert (header["params"]["dtype"], header["params"]["shape"]) == ("F32", [NUMEL])
+    start, end = header["params"]["data_offsets"]
+    assert payload[start:end] == snap.params.numpy().astype("<f4").tobytes()
+    assert (8 + _header_length(data)) % 8 == 0, "the tensor bytes start aligned"
+    # The tensors cover the payload exactly, and any safetensors reader reads them.
+    assert sorted(e["data_offsets"] for k, e in header.items() if k != "__metadata__")[-1][1] == len(payload)
+    foreign = safetensors.torch.load_file(path)
+    assert set(foreign) == {"params", *(f"optimizer.{i}" for i in range(len(foreign) - 1))}
+    assert torch.equal(foreign["params"], snap.params)
+    state = snap.optimizer_state["state"][0]
+    assert any(torch.equal(foreign[k], state["exp_avg"]) for k in foreign)
     # No pickle in the code (the docstring may say so): no such import or name, and no torch.save / torch.load.
     tree = ast.parse(inspect.getsource(checkpoint))
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names}
@@ -266,15 +351,26 @@ def _flip(data: bytes, index: int, mask: int = 0x01) -> bytes:
     return data[:index] + bytes([data[index] ^ mask]) + data[index + 1 :]
 
 
+def _padding_to_tab(data: bytes) -> bytes:
+    """The header's last padding space made a tab: the same JSON to a parser, but not the same file."""
+    end = 8 + _header_length(data)
+    assert data[end - 1 : end] == b" ", "the header of the test's snapshot is padded"
+    return data[: end - 1] + b"\t" + data[end:]
+
+
 DAMAGE: dict[str, Callable[[bytes], bytes]] = {
     "truncated-end": lambda d: d[:-10],
-    "truncated-to-header": lambda d: d[: len(MAGIC) + 8 + 5],
-    "truncated-inside-magic": lambda d: d[:5],
-    "flipped-payload-byte": lambda d: _flip(d, len(MAGIC) + 8 + _header_length(d) + 5),
-    "flipped-header-byte": lambda d: _flip(d, len(MAGIC) + 8 + 3),
-    "flipped-length-byte": lambda d: _flip(d, len(MAGIC)),
-    "flipped-checksum-byte": lambda d: _flip(d, len(d) - 1),
-    "wrong-magic": lambda d: b"PSCKPT02" + d[len(MAGIC) :],
+    "truncated-to-header": lambda d: d[: 8 + 5],
+    "truncated-inside-length": lambda d: d[:5],
+    "flipped-payload-byte": lambda d: _flip(d, 8 + _header_length(d) + 5),
+    "flipped-last-byte": lambda d: _flip(d, len(d) - 1),
+    "flipped-header-byte": lambda d: _flip(d, 8 + 3),
+    "flipped-description-byte": lambda d: _flip(d, 8 + SEAL_AT + 100),
+    "padding-made-a-tab": _padding_to_tab,
+    "flipped-length-byte": lambda d: _flip(d, 0),
+    "flipped-checksum-byte": lambda d: _flip(d, 8 + SEAL_AT + 10),
+    "wrong-magic": lambda d: LEGACY_MAGIC + d[len(LEGACY_MAGIC) :],
+    "safetensors-of-someone-else": lambda d: safetensors.torch.save({"params": torch.zeros(NUMEL)}),
     "empty": lambda d: b"",
     "appended-byte": lambda d: d + b"\0",
 }
@@ -301,25 +397,49 @@ def _sealed_variants() -> list[Any]:
 
         return make
 
+    def describe(change: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+        """An edit of the paramserver description inside the metadata."""
+
+        def edit_description(h: dict[str, Any]) -> None:
+            description = _description(h)
+            change(description)
+            h["__metadata__"]["paramserver"] = json.dumps(description)
+
+        return edit_description
+
     def overrun(h: dict[str, Any]) -> None:
-        h["tensors"][0]["nbytes"] += 4
+        h["params"]["data_offsets"][1] += 4
 
     def bad_shape(h: dict[str, Any]) -> None:
-        h["tensors"][0]["shape"] = [NUMEL + 1]
+        h["params"]["shape"] = [NUMEL + 1]
+
+    def unnamed_tensor(h: dict[str, Any]) -> None:  # an optimizer tensor the description no longer refers to
+        description = _description(h)
+        description["optimizer_state"] = {"__dict__": [["state", {"__dict__": []}], ["param_groups", []]]}
+        h["__metadata__"]["paramserver"] = json.dumps(description)
+
+    def params_of(dtype: str) -> Callable[[dict[str, Any]], None]:
+        return lambda h: h["params"].update(dtype=dtype)
+
+    def metadata(key: str, value: str) -> Callable[[dict[str, Any]], None]:
+        return lambda h: h["__metadata__"].update({key: value})
 
     return [
-        pytest.param(lambda d: _reseal(b"{not json", _split(d)[1]), id="header-not-json"),
-        pytest.param(lambda d: _reseal(b"[1, 2]", _split(d)[1]), id="header-not-an-object"),
-        pytest.param(edit(lambda h: h.pop("version")), id="missing-key"),
+        pytest.param(lambda d: _reseal(b'{"__metadata__":{"sha256":"' + b"0" * 64 + b"{not", b""), id="not-json"),
+        pytest.param(edit(metadata("paramserver", "{not json")), id="description-not-json"),
+        pytest.param(edit(metadata("paramserver", "[1, 2]")), id="description-not-an-object"),
+        pytest.param(edit(lambda h: h["__metadata__"].pop("paramserver")), id="no-description"),
+        pytest.param(edit(metadata("format", "3")), id="unknown-format"),
+        pytest.param(edit(describe(lambda d: d.pop("version"))), id="missing-key"),
         pytest.param(edit(overrun), id="tensor-runs-past-the-end"),
         pytest.param(edit(bad_shape), id="shape-does-not-match-bytes"),
-        pytest.param(edit(lambda h: h["tensors"][0].update(dtype="complex64")), id="unknown-dtype"),
-        pytest.param(edit(lambda h: h.update(tensors=[])), id="no-tensors"),
-        pytest.param(edit(lambda h: h.update(specs=[["w", 5]])), id="spec-shape-not-a-list"),
-        pytest.param(
-            edit(lambda h: h.update(applied=[])),
-            id="applied-not-an-object",
-        ),
+        pytest.param(edit(params_of("U32")), id="unknown-dtype"),
+        pytest.param(edit(params_of("X32")), id="not-a-dtype"),
+        pytest.param(edit(params_of("I32")), id="params-not-float32"),
+        pytest.param(lambda d: _reseal({"__metadata__": _split(d)[0]["__metadata__"]}, b""), id="no-tensors"),
+        pytest.param(edit(unnamed_tensor), id="tensor-the-description-does-not-name"),
+        pytest.param(edit(describe(lambda d: d.update(specs=[["w", 5]]))), id="spec-shape-not-a-list"),
+        pytest.param(edit(describe(lambda d: d.update(applied=[]))), id="applied-not-an-object"),
     ]
 
 

@@ -301,3 +301,44 @@ def test_a_shard_killed_mid_training_comes_back_with_every_row_it_acknowledged(t
             loss_of(model, batch).backward()
             client.push_pull(model)
         assert client.versions == [30, 30]
+
+
+def test_lazy_adam_rows_equal_torch_sparse_adam_even_where_a_step_brings_a_shard_no_rows(
+    ps_cluster_factory: Callable[..., object],
+) -> None:
+    """SparseAdam's bias correction counts every step of the table: a shard that got none of a step's rows still
+    counts it, so its rows move as torch's do."""
+    cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=1, optimizer="adam", lr=0.05), shards=2)
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(1))
+            self.item = SparseEmbedding(dim=4, num_embeddings=16, init_scale=0.5)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.item(ids).sum(1) + self.bias
+
+    owners = shard_of(np.arange(16), 2)
+    on0, on1 = np.flatnonzero(owners == 0), np.flatnonzero(owners == 1)
+    # Steps whose IDs all live on one shard, then on the other, then on both.
+    steps = [torch.from_numpy(on0[:3]), torch.from_numpy(on0[1:4]), torch.from_numpy(on1[:2]), torch.arange(16)]
+    model = Tiny()
+    emb = nn.Embedding(16, 4, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(torch.from_numpy(initial_rows(model.item.spec("item"), np.arange(16))))
+    bias = nn.Parameter(torch.zeros(1))
+    dense, rows = torch.optim.Adam([bias], lr=0.05), torch.optim.SparseAdam([emb.weight], lr=0.05)
+    with PSClient(cluster.address) as client:  # type: ignore[attr-defined]
+        client.register(model)
+        for ids in steps:
+            model.zero_grad(set_to_none=True)
+            (model(ids) ** 2).mean().backward()
+            client.push_pull(model)
+            dense.zero_grad()
+            rows.zero_grad()
+            ((emb(ids).sum(1) + bias) ** 2).mean().backward()
+            dense.step()
+            rows.step()
+        with torch.no_grad():
+            torch.testing.assert_close(model.item(torch.arange(16)), emb.weight, atol=1e-6, rtol=1e-5)

@@ -1,13 +1,33 @@
-"""Atomic, checksummed shard checkpoints: a JSON header and raw tensor bytes, no pickle.
+"""Atomic, checksummed shard checkpoints: safetensors files of the shard's tensors and a JSON description, no pickle.
 
-File layout (one file per shard and version, `shard-III-vVVVVVVVVVVVV.ckpt`):
+File layout (one file per shard and version, `shard-III-vVVVVVVVVVVVV.ckpt`), a safetensors file that any
+safetensors reader opens:
 
-    b"PSCKPT01" | u64 little-endian header length | header JSON | tensor bytes ... | sha256 of all before it
+    u64 little-endian header length | header JSON (padded with spaces to 8 bytes) | tensor bytes ...
+
+The header names each tensor with its dtype, shape and byte range: `params` (the shard's flat float32 part of
+the model), `optimizer.<i>` (the tensors of the optimizer's state_dict) and `table.<t>.<key>` (each sparse table's
+arrays). Its `__metadata__` holds three strings, the checksum first:
+
+    {"__metadata__":{"sha256":"<64 hex digits>","format":"2","paramserver":"<JSON>"},"params":{...},...}
+
+`paramserver` is everything else as JSON: the shard, the placement, the version, the optimizer's state_dict with
+its tensors replaced by references, the applied-push log, the tables' specs and keys. `sha256` is the hash of the
+whole file read with those 64 digits as "0"s, so that no byte anywhere (length, header, padding, tensor bytes) can
+change, and no byte go missing or be added, unnoticed.
 
 A file is written to a temporary name, fsynced, renamed into place and the directory fsynced
 (paramserver.files.atomic_write), so a crash leaves either the old set or the new one; the newest `KEEP` files
 stay, so a damaged newest file falls back to the one before it. A file whose checksum, header or sizes do not add
 up is reported and skipped.
+
+Reading lets safetensors parse and check the header (known dtypes, shapes that match the byte ranges, ranges that
+tile the data exactly) and read each tensor with pread(2) straight into memory of its own: a restore holds the
+checkpoint's size once, hashed where it lies, and no mapping of the file outlives the load (the optimizer keeps
+the state tensors it is given, and a mapping would pin the file's disk space after rotation deletes it).
+
+Files of the first format (`b"PSCKPT01" | u64 header length | header JSON | tensor bytes | sha256 of all before
+it`) are still read, so that a shard upgraded in place resumes from the checkpoints it left.
 """
 
 from __future__ import annotations
@@ -16,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import re
 import struct
 import time
@@ -26,6 +47,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 
 from paramserver.files import atomic_write
 from paramserver.placement import TensorSpec
@@ -33,10 +55,18 @@ from paramserver.tables import TableSpec
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"PSCKPT01"
+FORMAT = "2"  # the `format` string of the safetensors metadata
+LEGACY_MAGIC = b"PSCKPT01"  # the first format's files begin with it
 KEEP = 2
 _NAME = re.compile(r"^shard-(\d{3})-v(\d{12})\.ckpt$")
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "int32": torch.int32}
+# Where the checksum's hex digits lie: right after the opening of the header, the same place in every file.
+_SEAL_AT = b'{"__metadata__":{"sha256":"'
+_UNSEALED = b"0" * 64
+_HEX = re.compile(rb"[0-9a-f]{64}")
+_MAX_HEADER = 100_000_000  # safetensors' own limit
+# The dtypes a checkpoint holds: torch's, as safetensors names them.
+_CODES = {torch.float32: "F32", torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
+_LEGACY_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "int32": torch.int32}
 
 
 class CorruptCheckpoint(Exception):
@@ -86,16 +116,21 @@ def _tensor_entries(state: dict[str, Any]) -> tuple[dict[str, Any], list[torch.T
     return walk(state), tensors
 
 
-def _rebuild(doc: Any, tensors: list[torch.Tensor]) -> Any:
+def _rebuild(doc: Any, tensor: Callable[[int], torch.Tensor]) -> Any:
     if isinstance(doc, dict) and "__tensor__" in doc:
-        return tensors[doc["__tensor__"]]
+        return tensor(doc["__tensor__"])
     if isinstance(doc, dict) and "__tuple__" in doc:
-        return tuple(_rebuild(v, tensors) for v in doc["__tuple__"])
+        return tuple(_rebuild(v, tensor) for v in doc["__tuple__"])
     if isinstance(doc, dict) and "__dict__" in doc:
-        return {_rebuild(k, tensors): _rebuild(v, tensors) for k, v in doc["__dict__"]}
+        return {_rebuild(k, tensor): _rebuild(v, tensor) for k, v in doc["__dict__"]}
     if isinstance(doc, list):
-        return [_rebuild(v, tensors) for v in doc]
+        return [_rebuild(v, tensor) for v in doc]
     return doc
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A contiguous tensor's bytes, without a copy."""
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def save(directory: str | Path, snap: Snapshot, keep: int = KEEP) -> Path:
@@ -103,21 +138,17 @@ def save(directory: str | Path, snap: Snapshot, keep: int = KEEP) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     opt_doc, opt_tensors = _tensor_entries(snap.optimizer_state)
-    blobs = [snap.params.detach().contiguous(), *opt_tensors]
-    # Each table's arrays follow, in sorted key order; the header names them.
+    named = [("params", snap.params.detach().contiguous())]
+    named += [(f"optimizer.{i}", t) for i, t in enumerate(opt_tensors)]
+    # Each table's arrays, named by table and key; the description lists the keys.
     table_keys = [sorted(state) for state in snap.tables]
-    for state, keys in zip(snap.tables, table_keys, strict=True):
-        blobs += [torch.from_numpy(np.ascontiguousarray(state[k])) for k in keys]
-    layout, offset = [], 0
-    for t in blobs:
-        nbytes = t.numel() * t.element_size()
-        layout.append(
-            {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset, "nbytes": nbytes}
-        )
-        offset += nbytes
-    header = json.dumps(
+    for i, (state, keys) in enumerate(zip(snap.tables, table_keys, strict=True)):
+        named += [(f"table.{i}.{k}", torch.from_numpy(np.ascontiguousarray(state[k]))) for k in keys]
+    # The widest elements first (safetensors' own writer does the same): every tensor then starts at a multiple of
+    # its element size, and a reader that maps the file may view it in place.
+    named.sort(key=lambda item: -item[1].element_size())
+    description = json.dumps(
         {
-            "format": 1,
             "shard_index": snap.shard_index,
             "num_shards": snap.num_shards,
             "specs": [[s.name, list(s.shape), "buffer"] if s.buffer else [s.name, list(s.shape)] for s in snap.specs],
@@ -130,22 +161,35 @@ def save(directory: str | Path, snap: Snapshot, keep: int = KEEP) -> Path:
             "finished_workers": snap.finished_workers,
             "table_specs": [dataclasses.asdict(t) for t in snap.table_specs],
             "tables": table_keys,
-            "tensors": layout,
             "created": time.time(),
         }
-    ).encode()
+    )
+    # The checksum comes first, so that it lies at the same offset in every file: written as "0"s, then filled in.
+    header: dict[str, Any] = {
+        "__metadata__": {"sha256": _UNSEALED.decode(), "format": FORMAT, "paramserver": description}
+    }
+    offset = 0
+    for name, t in named:
+        if t.dtype not in _CODES:
+            raise ValueError(f"a checkpoint cannot hold {name}, a tensor of {t.dtype}")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the tensor bytes start 8-byte aligned, as safetensors pads them
+    head = struct.pack("<Q", len(raw)) + raw
     target = path_for(directory, snap.shard_index, snap.version)
 
     def write(f: BinaryIO) -> None:
-        digest = hashlib.sha256()
-        for part in (MAGIC, struct.pack("<Q", len(header)), header):
-            f.write(part)
-            digest.update(part)
-        for t in blobs:
-            view = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
-            f.write(view)
-            digest.update(view)
-        f.write(digest.digest())
+        digest = hashlib.sha256(head)
+        f.write(head)
+        for _, t in named:
+            if t.numel():
+                view = _bytes_of(t)
+                f.write(view)
+                digest.update(view)
+        f.seek(8 + len(_SEAL_AT))
+        f.write(digest.hexdigest().encode())
 
     atomic_write(target, write, durable=True)
     for old in list_checkpoints(directory, snap.shard_index)[keep:]:
@@ -174,27 +218,107 @@ def _spec(entry: list[Any]) -> TensorSpec:
     return TensorSpec(str(name), tuple(int(d) for d in shape), buffer=bool(kind))
 
 
+def _snapshot(
+    doc: dict[str, Any], params: torch.Tensor, tensor: Callable[[int], torch.Tensor], tables: list[dict[str, Any]]
+) -> Snapshot:
+    """The snapshot a file's description (and its tensors) make; KeyError, ValueError... where they do not fit."""
+    if params.dtype != torch.float32 or params.dim() != 1:
+        raise ValueError(f"the parameters are {params.dtype}{list(params.shape)}, not a flat float32 tensor")
+    return Snapshot(
+        shard_index=int(doc["shard_index"]),
+        num_shards=int(doc["num_shards"]),
+        specs=tuple(_spec(entry) for entry in doc["specs"]),
+        digest=str(doc["digest"]),
+        version=int(doc["version"]),
+        optimizer=str(doc["optimizer"]),
+        params=params,
+        optimizer_state=_rebuild(doc["optimizer_state"], tensor),
+        ever_full=bool(doc["ever_full"]),
+        applied={str(k): [int(s) for s in v] for k, v in doc["applied"].items()},
+        finished_workers=int(doc.get("finished_workers", 0)),  # absent from files of earlier versions
+        table_specs=tuple(TableSpec(**t) for t in doc.get("table_specs", [])),
+        tables=tables,
+    )
+
+
+_MALFORMED = (KeyError, ValueError, TypeError, IndexError, RuntimeError, AttributeError)
+
+
 def load(path: str | Path) -> Snapshot:
     """Read and verify one checkpoint file; raise CorruptCheckpoint if anything is off."""
-    data = Path(path).read_bytes()
-    if len(data) < len(MAGIC) + 8 + 32 or not data.startswith(MAGIC):
-        raise CorruptCheckpoint(f"{path}: not a paramserver checkpoint (or truncated)")
-    body, stored = data[:-32], data[-32:]
-    if hashlib.sha256(body).digest() != stored:
-        raise CorruptCheckpoint(f"{path}: checksum mismatch (truncated or altered)")
-    (hlen,) = struct.unpack_from("<Q", body, len(MAGIC))
-    start = len(MAGIC) + 8
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        first = f.read(8)
+        if first == LEGACY_MAGIC:
+            f.seek(0)
+            return _load_legacy(path, f.read())
+        if len(first) < 8:
+            raise CorruptCheckpoint(f"{path}: not a paramserver checkpoint (or truncated)")
+        (hlen,) = struct.unpack("<Q", first)
+        if hlen > min(size - 8, _MAX_HEADER):
+            raise CorruptCheckpoint(f"{path}: a header of {hlen} bytes in a file of {size}: truncated or altered")
+        raw = f.read(hlen)
+    seal = raw[len(_SEAL_AT) : len(_SEAL_AT) + 64]
+    if not raw.startswith(_SEAL_AT) or not _HEX.fullmatch(seal):
+        raise CorruptCheckpoint(f"{path}: not a paramserver checkpoint (no checksum where it belongs)")
+    digest = hashlib.sha256(first)
+    digest.update(raw[: len(_SEAL_AT)] + _UNSEALED + raw[len(_SEAL_AT) + 64 :])
+    tensors: dict[str, torch.Tensor] = {}
     try:
-        header = json.loads(body[start : start + hlen])
+        with safe_open(str(path), framework="pt", backend="pread") as st:
+            metadata = st.metadata() or {}
+            for name in st.offset_keys():  # in file order, so that the hash runs over the bytes as they lie
+                dtype = st.get_slice(name).get_dtype()
+                if dtype not in _CODES.values():
+                    raise CorruptCheckpoint(f"{path}: tensor {name!r} is of dtype {dtype}, which no checkpoint holds")
+                tensors[name] = t = st.get_tensor(name)
+                if t.numel():
+                    digest.update(_bytes_of(t))
+    except (SafetensorError, *_MALFORMED) as exc:
+        raise CorruptCheckpoint(f"{path}: damaged or not a checkpoint: {exc}") from None
+    payload = sum(t.numel() * t.element_size() for t in tensors.values())
+    if 8 + hlen + payload != size or digest.hexdigest().encode() != seal or metadata.get("sha256") != seal.decode():
+        raise CorruptCheckpoint(f"{path}: checksum mismatch (truncated or altered)")
+    if metadata.get("format") != FORMAT:
+        raise CorruptCheckpoint(f"{path}: unknown checkpoint format {metadata.get('format')!r}")
+    try:
+        doc = json.loads(metadata["paramserver"])
+        used = {"params"}
+
+        def tensor(name: str) -> torch.Tensor:
+            used.add(name)
+            return tensors[name]
+
+        tables = [{k: tensor(f"table.{i}.{k}").numpy() for k in keys} for i, keys in enumerate(doc["tables"])]
+        snap = _snapshot(doc, tensors["params"], lambda i: tensor(f"optimizer.{int(i)}"), tables)
+    except _MALFORMED as exc:
+        raise CorruptCheckpoint(f"{path}: malformed description or tensors: {exc!r}") from None
+    if set(tensors) != used:
+        raise CorruptCheckpoint(f"{path}: tensors the description does not name: {sorted(set(tensors) - used)}")
+    return snap
+
+
+def _load_legacy(path: str | Path, data: bytes) -> Snapshot:
+    """Read and verify a file of the first format (b"PSCKPT01", a JSON header, the tensors, a sha256 trailer)."""
+    magic = len(LEGACY_MAGIC)
+    if len(data) < magic + 8 + 32:
+        raise CorruptCheckpoint(f"{path}: not a paramserver checkpoint (or truncated)")
+    body = memoryview(data)[:-32]
+    if hashlib.sha256(body).digest() != data[-32:]:
+        raise CorruptCheckpoint(f"{path}: checksum mismatch (truncated or altered)")
+    (hlen,) = struct.unpack_from("<Q", body, magic)
+    start = magic + 8
+    try:
+        header = json.loads(bytes(body[start : start + hlen]))
         if header.get("format") != 1:
             raise CorruptCheckpoint(f"{path}: unknown checkpoint format {header.get('format')!r}")
-        payload = memoryview(body)[start + hlen :]
+        payload = body[start + hlen :]
         tensors = []
         for entry in header["tensors"]:
             raw = payload[entry["offset"] : entry["offset"] + entry["nbytes"]]
             if len(raw) != entry["nbytes"]:
                 raise CorruptCheckpoint(f"{path}: tensor bytes run past the end")
-            dtype = _DTYPES[entry["dtype"]]
+            dtype = _LEGACY_DTYPES[entry["dtype"]]
             if not entry["nbytes"]:  # an empty array (a table's admission counts...): no bytes to view
                 tensors.append(torch.empty(entry["shape"], dtype=dtype))
                 continue
@@ -209,24 +333,10 @@ def load(path: str | Path) -> Snapshot:
             tables.append({k: table_tensors[at + i].numpy() for i, k in enumerate(keys)})
             at += len(keys)
         opt_tensors = tensors[1 : len(tensors) - n_table]
-        return Snapshot(
-            shard_index=int(header["shard_index"]),
-            num_shards=int(header["num_shards"]),
-            specs=tuple(_spec(entry) for entry in header["specs"]),
-            digest=str(header["digest"]),
-            version=int(header["version"]),
-            optimizer=str(header["optimizer"]),
-            params=tensors[0],
-            optimizer_state=_rebuild(header["optimizer_state"], opt_tensors),
-            ever_full=bool(header["ever_full"]),
-            applied={str(k): [int(s) for s in v] for k, v in header["applied"].items()},
-            finished_workers=int(header.get("finished_workers", 0)),  # absent from files of earlier versions
-            table_specs=tuple(TableSpec(**t) for t in header.get("table_specs", [])),
-            tables=tables,
-        )
+        return _snapshot(header, tensors[0], lambda i: opt_tensors[i], tables)
     except CorruptCheckpoint:
         raise
-    except (KeyError, ValueError, TypeError, IndexError, RuntimeError, AttributeError) as exc:
+    except _MALFORMED as exc:
         raise CorruptCheckpoint(f"{path}: malformed header or tensors: {exc}") from None
 
 

@@ -172,6 +172,7 @@ def restored(
         raise ValueError(f"the checkpoint of shard {index} does not match its own placement digest")
     model = build_model(placement, index, config)
     model.params.copy_(snap.params)
+    snap.params = torch.empty(0)  # copied: not held beside the model's own while the restore goes on
     model.optimizer.load_state_dict(snap.optimizer_state)
     model.tables.restore(snap.tables)
     take_run_settings(model.optimizer, config)  # the flags of this run win over the saved hyperparameters

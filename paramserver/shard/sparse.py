@@ -221,6 +221,12 @@ class ShardTables:
         for b in blocks:
             assert b.values is not None
             self.tables[b.table].apply(b.ids, b.values, version, now)
+        touched = {b.table for b in blocks}
+        for k, table in enumerate(self.tables):
+            if k not in touched:
+                # A table's step counts the job's updates, as torch.optim.SparseAdam counts its steps (its bias
+                # correction), not only those that brought this shard some of its rows.
+                table.steps += 1
         for table in self.tables:
             table.expire(version, now)
         self._keep_within_limit()

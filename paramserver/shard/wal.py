@@ -237,10 +237,14 @@ def records(directory: str | Path, shard_index: int, after: int) -> Iterator[Rec
 
 
 def _read(path: Path) -> Iterator[Record]:
-    if not path.stat().st_size:
+    try:
+        if not path.stat().st_size:
+            return
+        with open(path, "rb") as f:  # mapped, not read: a log can hold many versions of a large model
+            data = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    except FileNotFoundError:  # deleted since it was listed (a checkpoint covering it landed): a gap ends the log
+        log.warning("write-ahead log %s vanished while being read", path)
         return
-    with open(path, "rb") as f:  # mapped, not read: a log can hold many versions of a large model
-        data = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
     at = 0
     while at + _HEAD.size <= len(data):
         magic, hlen, crc = _HEAD.unpack_from(data, at)
