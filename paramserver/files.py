@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -47,3 +48,17 @@ def fsync_dir(directory: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def shard_files(directory: str | Path, name: re.Pattern[str], shard_index: int) -> list[tuple[int, Path]]:
+    """The files of one shard in `directory` whose names match `name` (groups: the shard index, then a version),
+    as (version, path), lowest version first; none when the directory does not exist."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for p in directory.iterdir():
+        m = name.match(p.name)
+        if m and int(m.group(1)) == shard_index:
+            found.append((int(m.group(2)), p))
+    return sorted(found)

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from paramserver.files import atomic_write
+from paramserver.files import atomic_write, shard_files
 from paramserver.placement import TensorSpec
 from paramserver.tables import TableSpec
 
@@ -199,15 +199,7 @@ def save(directory: str | Path, snap: Snapshot, keep: int = KEEP) -> Path:
 
 def list_checkpoints(directory: str | Path, shard_index: int) -> list[Path]:
     """This shard's checkpoint files, newest version first."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = []
-    for p in directory.iterdir():
-        m = _NAME.match(p.name)
-        if m and int(m.group(1)) == shard_index:
-            found.append((int(m.group(2)), p))
-    return [p for _, p in sorted(found, reverse=True)]
+    return [p for _, p in reversed(shard_files(directory, _NAME, shard_index))]
 
 
 def _spec(entry: list[Any]) -> TensorSpec:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from paramserver.files import shard_files
 from paramserver.shard.sparse import RowBlock
 
 log = logging.getLogger(__name__)
@@ -68,15 +69,7 @@ def path_for(directory: Path, shard_index: int, start: int) -> Path:
 
 def segments(directory: str | Path, shard_index: int) -> list[tuple[int, Path]]:
     """This shard's log files as (start version, path), oldest first."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = []
-    for p in directory.iterdir():
-        m = _NAME.match(p.name)
-        if m and int(m.group(1)) == shard_index:
-            found.append((int(m.group(2)), p))
-    return sorted(found)
+    return shard_files(directory, _NAME, shard_index)
 
 
 class WriteAheadLog:

@@ -28,14 +28,14 @@ from paramserver.errors import JobFull, PSError, PullTimeout, UnknownWorker, Unr
 from paramserver.modes import mode_name
 from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
 from paramserver.security import channel_credentials, client_ssl_context, open_channel
-from paramserver.tables import shard_of
 from paramserver.transport import shm
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire.chunks import CHUNK_BYTES, itemsize, wire_dtype
 from worker.client.binding import Binding, Tensors, tensors_of
 from worker.client.link import CONNECT_S, Session, ShardLink
+from worker.client.rows import by_shard, row_jobs
 from worker.client.transports import INLINE_BYTES, NO_TURNS, SparseJob, TableRows, Turns
-from worker.sparse import SparseEmbedding, tables_of
+from worker.sparse import tables_of
 
 log = logging.getLogger(__name__)
 
@@ -373,7 +373,7 @@ class PSClient:
         out = np.empty((len(ids), dim), dtype=np.float32)
         if not len(ids):
             return out
-        parts = self._by_shard(ids)
+        parts = by_shard(ids, len(self.links))
         jobs: list[SparseJob | None] = []
         for where in parts:
             if where is None:
@@ -386,55 +386,6 @@ class PSClient:
             if where is not None and job is not None:
                 out[where] = job.lookups[0].out
         return out
-
-    def _by_shard(self, ids: np.ndarray) -> list[np.ndarray | None]:
-        """The positions of the IDs each shard holds (None where it holds none of them)."""
-        if len(self.links) == 1:
-            return [np.arange(len(ids))]
-        owner = shard_of(ids, len(self.links))
-        order = np.argsort(owner, kind="stable")
-        bounds = np.searchsorted(owner[order], np.arange(len(self.links) + 1))
-        return [order[lo:hi] if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-
-    def _row_jobs(self, b: Binding) -> tuple[list[SparseJob | None] | None, Callable[[], None]]:
-        """Each shard's sparse part of a push: the row gradients the model's tables gathered since the last push,
-        and the rows of the IDs they were told to prefetch (None: nothing); and what hands the prefetched rows to
-        their tables once the exchange is over."""
-        jobs: list[SparseJob | None] = [None] * len(self.links)
-        found = False
-
-        def job_of(k: int) -> SparseJob:
-            job = jobs[k] = jobs[k] or SparseJob([], [])
-            return job
-
-        fetched: list[tuple[SparseEmbedding, np.ndarray, np.ndarray, list[tuple[np.ndarray, TableRows]]]] = []
-        for index, module in enumerate(b.tables):
-            taken = module.take_gradients()
-            if taken is not None:
-                ids, grads = taken
-                found = True
-                for k, where in enumerate(self._by_shard(ids)):
-                    if where is not None:
-                        job_of(k).rows.append(TableRows(index, ids[where], values=np.ascontiguousarray(grads[where])))
-            planned = module.take_planned()
-            if planned is not None and len(planned):
-                found = True
-                out = np.empty((len(planned), module.dim), dtype=np.float32)
-                parts = []
-                for k, where in enumerate(self._by_shard(planned)):
-                    if where is not None:
-                        part = TableRows(index, planned[where], out=np.empty((len(where), module.dim), np.float32))
-                        job_of(k).lookups.append(part)
-                        parts.append((where, part))
-                fetched.append((module, planned, out, parts))
-
-        def deliver() -> None:
-            for module, planned, out, parts in fetched:
-                for where, part in parts:
-                    out[where] = part.out
-                module.fetched(planned, out)
-
-        return (jobs if found else None), deliver
 
     def pull(self, obj: Tensors) -> int:
         """Copy the shards' current weights into `obj` in place; return the lowest shard version.
@@ -452,7 +403,7 @@ class PSClient:
         """
         b = self._bind(obj)
         grads = b.gradients(isinstance(obj, torch.nn.Module))
-        rows, deliver = self._row_jobs(b)
+        rows, deliver = row_jobs(b, len(self.links))
         version = self._exchange(b, grads=grads, step=self._next_step(step), pull=False, rows=rows)
         deliver()
         return version
@@ -470,7 +421,7 @@ class PSClient:
         """
         b = self._bind(obj)
         grads = b.gradients(isinstance(obj, torch.nn.Module))
-        rows, deliver = self._row_jobs(b)
+        rows, deliver = row_jobs(b, len(self.links))
         version = self._exchange(b, grads=grads, step=self._next_step(step), pull=True, rows=rows)
         deliver()
         return version

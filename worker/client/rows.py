@@ -1,0 +1,70 @@
+"""The sparse part of a push: which shard holds each ID, and each shard's rows of a model's tables for one exchange
+(the row gradients their forward passes left, and the rows of the IDs they were told to prefetch)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from paramserver.tables import shard_of
+from worker.client.binding import Binding
+from worker.client.transports import SparseJob, TableRows
+from worker.sparse import SparseEmbedding
+
+
+def by_shard(ids: np.ndarray, num_shards: int) -> list[np.ndarray | None]:
+    """The positions of the IDs each shard holds (None where it holds none of them)."""
+    if num_shards == 1:
+        return [np.arange(len(ids))]
+    owner = shard_of(ids, num_shards)
+    order = np.argsort(owner, kind="stable")
+    bounds = np.searchsorted(owner[order], np.arange(num_shards + 1))
+    return [order[lo:hi] if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _nothing() -> None:
+    pass
+
+
+def row_jobs(b: Binding, num_shards: int) -> tuple[list[SparseJob | None] | None, Callable[[], None]]:
+    """Each shard's sparse part of a push: the row gradients the model's tables gathered since the last push,
+    and the rows of the IDs they were told to prefetch (None: nothing); and what hands the prefetched rows to
+    their tables once the exchange is over."""
+    if not b.tables:  # a dense model: nothing to add to its pushes
+        return None, _nothing
+    jobs: list[SparseJob | None] = [None] * num_shards
+    found = False
+
+    def job_of(k: int) -> SparseJob:
+        job = jobs[k] = jobs[k] or SparseJob([], [])
+        return job
+
+    fetched: list[tuple[SparseEmbedding, np.ndarray, np.ndarray, list[tuple[np.ndarray, TableRows]]]] = []
+    for index, module in enumerate(b.tables):
+        taken = module.take_gradients()
+        if taken is not None:
+            ids, grads = taken
+            found = True
+            for k, where in enumerate(by_shard(ids, num_shards)):
+                if where is not None:
+                    job_of(k).rows.append(TableRows(index, ids[where], values=np.ascontiguousarray(grads[where])))
+        planned = module.take_planned()
+        if planned is not None and len(planned):
+            found = True
+            out = np.empty((len(planned), module.dim), dtype=np.float32)
+            parts = []
+            for k, where in enumerate(by_shard(planned, num_shards)):
+                if where is not None:
+                    part = TableRows(index, planned[where], out=np.empty((len(where), module.dim), np.float32))
+                    job_of(k).lookups.append(part)
+                    parts.append((where, part))
+            fetched.append((module, planned, out, parts))
+
+    def deliver() -> None:
+        for module, planned, out, parts in fetched:
+            for where, part in parts:
+                out[where] = part.out
+            module.fetched(planned, out)
+
+    return (jobs if found else None), deliver
