@@ -131,6 +131,27 @@ class ServerConfig:
         "survives a host crash or power loss, and costs a disk flush per group of updates)",
         choices=("write", "fsync"),
     )
+    replicas: int = config_field(
+        1,
+        "copies of each shard's part: 2 runs a hot standby beside each primary (ps-server --shards N starts 2N "
+        "processes); a push is acknowledged once both hold it, and when a primary dies its backup takes over. "
+        "Needs --coordinator",
+    )
+    coordinator: str | None = config_field(
+        None,
+        "etcd client URL(s), comma-separated (http://host:2379): where each part's primary, in-sync copies and "
+        "epoch are kept, changed only by compare-and-swap, so that at most one copy of a part accepts pushes",
+    )
+    replica_timeout: float = config_field(
+        0.5,
+        "--replicas 2: seconds of silence on the replication link (no record, heartbeat or acknowledgement) after "
+        "which a backup takes over from its primary, or a primary goes on without its backup",
+    )
+    replication_port: int = config_field(
+        0,
+        "--replicas 2: port a primary streams its updates to its backup on (0: any free port, announced through "
+        "the coordinator; ps-server --shards N: each process on port + its number)",
+    )
     exit_when_done: bool = config_field(
         False,
         "stop the shard (final checkpoint, exit 0) once the job is done: every one of its workers "
@@ -207,6 +228,15 @@ class ServerConfig:
             raise ValueError(f"max_table_bytes must be positive, not {self.max_table_bytes}")
         if self.wal_sync not in ("write", "fsync"):
             raise ValueError(f"wal_sync must be write or fsync, not {self.wal_sync!r}")
+        if self.replicas not in (1, 2):
+            raise ValueError(f"replicas must be 1 or 2, not {self.replicas}")
+        if self.replicas > 1 and not self.coordinator:
+            raise ValueError(
+                "--replicas 2 needs --coordinator (an etcd URL): which copy of a part is the primary is decided "
+                "there, so that a network partition can never leave two copies accepting pushes"
+            )
+        if not self.replica_timeout > 0:
+            raise ValueError(f"replica_timeout must be positive, not {self.replica_timeout}")
         if self.table_overflow not in ("evict", "refuse"):
             raise ValueError(f"table_overflow must be evict or refuse, not {self.table_overflow!r}")
         from paramserver.v1.ps_pb2 import JoinRequest

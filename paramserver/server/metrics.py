@@ -185,6 +185,31 @@ class ShardMetrics:
             ["shard", "socket", "reason"],
             registry=r,
         )
+        # --replicas 2 (paramserver.server.replica): which copy serves, whether its backup counts, what failed.
+        self.primary = Gauge(
+            "paramserver_replica_primary",
+            "1 while this copy is its shard's primary, 0 as the backup",
+            ["shard"],
+            registry=r,
+        ).labels(s)
+        self.backup_in_sync = Gauge(
+            "paramserver_replica_backup_in_sync",
+            "A primary's backup holds every acknowledged update (1), or the primary acknowledges alone (0)",
+            ["shard"],
+            registry=r,
+        ).labels(s)
+        self.takeovers = Counter(
+            "paramserver_replica_takeovers",
+            "Times this copy took over as primary from its rival",
+            ["shard"],
+            registry=r,
+        ).labels(s)
+        self.backup_lost = Counter(
+            "paramserver_replica_backup_dropped",
+            "Times a primary went on without its backup (silent, its link broken, or restarted)",
+            ["shard"],
+            registry=r,
+        ).labels(s)
         # Read at each scrape: cheap, and a container's limit can be changed while it runs.
         Gauge(
             "paramserver_memory_limit_bytes",

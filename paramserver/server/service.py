@@ -187,6 +187,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 version=d.version,
                 slice_elements=SLICE_ELEMENTS,
                 tables=[spec_to_proto(t) for t in d.tables],
+                replicas=self.shard.replica_addresses,
             )
 
     def Join(self, request: ps_pb2.JoinRequest, context: grpc.ServicerContext) -> ps_pb2.JoinResponse:

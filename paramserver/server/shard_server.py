@@ -14,12 +14,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.config import ServerConfig
+from paramserver.coord import Etcd
 from paramserver.security import TokenAuth, read_token, server_credentials, server_ssl_context
 from paramserver.server.exchange import ExchangeHandler
 from paramserver.server.frame_service import FrameService
 from paramserver.server.metrics import MetricsServer
+from paramserver.server.replica import Replication, copy_dir
 from paramserver.server.service import Endpoints, ParameterServerServicer, add_to_server
 from paramserver.shard.state import Shard
+from paramserver.transport.socket_client import split_host
 from paramserver.transport.socket_server import FrameServer, tcp_listener
 from paramserver.v1 import ps_pb2
 
@@ -85,10 +88,18 @@ class ShardServer:
         self._metrics: MetricsServer | None = None
         self._pool: futures.ThreadPoolExecutor | None = None
         self._stopped = threading.Event()
+        self.copy = 0  # which copy of its shard this process is (--replicas 2)
+        self.replication: Replication | None = None
 
     @classmethod
-    def create(cls, config: ServerConfig, index: int = 0, host: str = "127.0.0.1", port: int = 0) -> ShardServer:
-        """Bind a shard's server to host:port (0: the OS picks) without starting it."""
+    def create(
+        cls, config: ServerConfig, index: int = 0, host: str = "127.0.0.1", port: int = 0, copy: int = 0
+    ) -> ShardServer:
+        """Bind a shard's server to host:port (0: the OS picks) without starting it; `copy`: which of the shard's
+        copies this is (--replicas 2)."""
+        if not 0 <= copy < config.replicas:
+            raise ValueError(f"copy {copy} of a shard with {config.replicas} replicas")
+        config = copy_dir(config, copy)
         shard = Shard(config, index)
         # Each sync-mode pull may wait for its round in a thread of its own, so leave room per worker.
         pool = futures.ThreadPoolExecutor(
@@ -119,6 +130,7 @@ class ShardServer:
         instance = cls(shard, server, bound, health_servicer, servicer)
         instance._pool = pool
         instance.host = host
+        instance.copy = copy
         if config.data_socket:
             try:
                 instance._data_listener = tcp_listener(host, config.data_port)
@@ -129,7 +141,9 @@ class ShardServer:
         return instance
 
     def start(self, addresses: Sequence[str]) -> None:
-        """Restore the newest checkpoint if there is one, then serve, knowing every shard's address."""
+        """Restore the newest checkpoint if there is one, then serve, knowing every shard's address (with
+        --replicas 2, every copy's, each shard's in turn; this copy then first takes its role: see
+        paramserver.server.replica)."""
         metrics_port = self.shard.config.metrics_port
         if metrics_port is not None:  # first: a port that is taken must fail the start before anything changes
             try:
@@ -137,8 +151,37 @@ class ShardServer:
             except OSError:
                 raise bind_error(self.shard.index, "metrics", self.host, metrics_port, "--metrics-port") from None
             self.metrics_port = self._metrics.port
+        copies = self.shard.config.replicas
+        if copies > 1:
+            if len(addresses) % copies or not 0 <= self.shard.index * copies + self.copy < len(addresses):
+                raise ValueError(
+                    f"with --replicas {copies} the peers list every copy of every shard ({copies} per shard, in "
+                    f"turn); {len(addresses)} addresses cannot hold shard {self.shard.index} copy {self.copy}"
+                )
+            self.shard.replica_addresses = tuple(addresses)
+            own = addresses[self.shard.index * copies + self.copy]
+            addresses = list(addresses[::copies])
         self.shard.addresses = tuple(addresses)
-        self.shard.restore()
+        if copies > 1:
+            c = self.shard.config
+            assert c.coordinator is not None  # ServerConfig requires one with replicas
+            try:
+                self.replication = Replication(
+                    self.shard,
+                    self.copy,
+                    Etcd(c.coordinator, timeout=max(1.0, 2 * c.replica_timeout)),
+                    self.host,
+                    split_host(own),
+                    on_ready=self._set_ready,
+                )
+            except OSError:
+                c = self.shard.config
+                raise bind_error(
+                    self.shard.index, "replication port", self.host, c.replication_port, "--replication-port"
+                ) from None
+            self.replication.start()
+        else:
+            self.shard.restore()
         self.shard.start()
         frames, rejected = self.frames, self.servicer.handler.rejected
         c = self.shard.config
@@ -167,9 +210,15 @@ class ShardServer:
             )
             self.endpoints.data_port = self._data.port
         self._server.start()
-        for name in ("", SERVICE_NAME):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._health.set("", health_pb2.HealthCheckResponse.SERVING)  # alive (the liveness probe)
+        # Ready (the readiness probe, on the service's name): always without replicas; with them, while this copy
+        # counts (the primary, or a backup that holds every acknowledged update).
+        self._set_ready(self.replication is None or self.replication.ready)
         log.info("shard %d of %d serving on port %d", self.shard.index, len(addresses), self.port)
+
+    def _set_ready(self, ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        self._health.set(SERVICE_NAME, status)
 
     @property
     def data_port(self) -> int:
@@ -188,6 +237,8 @@ class ShardServer:
         self.shard.drain(grace)
         self.shard.stop_waiting()
         self._server.stop(grace).wait()
+        if self.replication is not None:
+            self.replication.stop()
         for bell in (self._doorbell, self._data):
             if bell is not None:
                 bell.close(grace)

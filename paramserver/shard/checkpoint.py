@@ -137,6 +137,15 @@ def save(directory: str | Path, snap: Snapshot, keep: int = KEEP) -> Path:
     """Write a snapshot atomically and prune this shard's older checkpoints beyond `keep`; return the path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    target = path_for(directory, snap.shard_index, snap.version)
+    save_as(target, snap)
+    for old in list_checkpoints(directory, snap.shard_index)[keep:]:
+        old.unlink(missing_ok=True)
+    return target
+
+
+def save_as(target: Path, snap: Snapshot, durable: bool = True) -> None:
+    """Write a snapshot to `target` atomically (what a primary sends its backup, too)."""
     opt_doc, opt_tensors = _tensor_entries(snap.optimizer_state)
     named = [("params", snap.params.detach().contiguous())]
     named += [(f"optimizer.{i}", t) for i, t in enumerate(opt_tensors)]
@@ -178,7 +187,6 @@ def save(directory: str | Path, snap: Snapshot, keep: int = KEEP) -> Path:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the tensor bytes start 8-byte aligned, as safetensors pads them
     head = struct.pack("<Q", len(raw)) + raw
-    target = path_for(directory, snap.shard_index, snap.version)
 
     def write(f: BinaryIO) -> None:
         digest = hashlib.sha256(head)
@@ -191,10 +199,7 @@ def save(directory: str | Path, snap: Snapshot, keep: int = KEEP) -> Path:
         f.seek(8 + len(_SEAL_AT))
         f.write(digest.hexdigest().encode())
 
-    atomic_write(target, write, durable=True)
-    for old in list_checkpoints(directory, snap.shard_index)[keep:]:
-        old.unlink(missing_ok=True)
-    return target
+    atomic_write(target, write, durable=durable)
 
 
 def list_checkpoints(directory: str | Path, shard_index: int) -> list[Path]:

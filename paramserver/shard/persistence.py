@@ -49,6 +49,12 @@ class Checkpoints:
         if self.config.checkpoint_dir and self.wal is None:
             self.wal = wal.WriteAheadLog(self.config.checkpoint_dir, index, version, self.config.wal_sync == "fsync")
 
+    def close_log(self) -> None:
+        """Stop logging (a backup about to take a whole new state from its primary)."""
+        if self.wal is not None:
+            self.wal.close()
+            self.wal = None
+
     def forget_log(self, index: int) -> None:
         """Delete a log no checkpoint can be replayed under (a shard that restored nothing)."""
         if self.config.checkpoint_dir:
@@ -56,12 +62,11 @@ class Checkpoints:
                 log.warning("shard %d: %s has no checkpoint to replay it over: deleted", index, path)
                 path.unlink(missing_ok=True)
 
-    def log(
-        self, version: int, pushes: Sequence[tuple[str, int]], grad: torch.Tensor, rows: Sequence[RowBlock]
-    ) -> None:
-        """Log what `version` applies (call under the shard's lock, in version order, before the version shows)."""
+    def log(self, version: int, parts: Sequence[memoryview | bytes]) -> None:
+        """Log what `version` applies, as `wal.encode` wrote it (call under the shard's lock, in version order,
+        before the version shows)."""
         if self.wal is not None:
-            self.wal.append(version, pushes, grad.numpy(), rows)
+            self.wal.append(version, parts)
 
     def log_full(self, model_bytes: int) -> bool:
         """Whether the log has grown past what a checkpoint costs (4x the shard's part, and at least 64 MB): then
@@ -120,7 +125,9 @@ class Checkpoints:
 
 def snapshot(shard: Shard) -> checkpoint.Snapshot:
     """Copy everything needed to resume (call under the shard's lock, or on a quiet shard)."""
-    model = shard.require_model()
+    model = shard.model
+    if model is None:
+        raise ValueError(f"shard {shard.index} holds no model to snapshot")
     state = model.optimizer.state_dict()
     copied = {
         "state": {
@@ -162,47 +169,61 @@ def restored(
             f"the checkpoint in {config.checkpoint_dir} was written by a job of {snap.num_shards} shards, "
             f"this one has {len(addresses)}; use another --checkpoint-dir"
         )
+    return model_of(config, index, snap), snap
+
+
+def model_of(config: ServerConfig, index: int, snap: checkpoint.Snapshot) -> ShardModel:
+    """The model a snapshot holds (a checkpoint, or the state a backup received from its primary); ValueError
+    where this shard cannot hold it."""
     if snap.optimizer != config.optimizer:
         raise ValueError(
             f"the checkpoint in {config.checkpoint_dir} holds {snap.optimizer} state, but this shard runs "
             f"--optimizer {config.optimizer}; use the same optimizer or another --checkpoint-dir"
         )
     placement = place(snap.specs, snap.num_shards, tables=snap.table_specs)
-    if placement.digest != snap.digest:
-        raise ValueError(f"the checkpoint of shard {index} does not match its own placement digest")
+    if placement.digest != snap.digest or snap.shard_index != index:
+        raise ValueError(f"the snapshot of shard {snap.shard_index} does not match shard {index}'s placement digest")
     model = build_model(placement, index, config)
     model.params.copy_(snap.params)
     snap.params = torch.empty(0)  # copied: not held beside the model's own while the restore goes on
     model.optimizer.load_state_dict(snap.optimizer_state)
     model.tables.restore(snap.tables)
     take_run_settings(model.optimizer, config)  # the flags of this run win over the saved hyperparameters
-    return model, snap
+    return model
+
+
+def apply_logged(shard: Shard, model: ShardModel, rec: wal.Record) -> bool:
+    """Apply one logged update to `model` and record its pushes as applied: the same gradient through the same
+    optimizer (deterministic on the CPU), so the state is exactly what the shard that logged it reached. False
+    (nothing applied) for a record of another model's size."""
+    if rec.grad.size != model.numel:
+        log.error(
+            "shard %d: the log's version %d has %d elements, the model %d",
+            shard.index,
+            rec.version,
+            rec.grad.size,
+            model.numel,
+        )
+        return False
+    model.step(torch.from_numpy(rec.grad if rec.grad.flags.writeable else rec.grad.copy()))
+    if model.tables:
+        rows = [RowBlock(b.table, b.ids.copy(), None if b.values is None else b.values.copy()) for b in rec.rows]
+        model.tables.apply(rows, rec.version, rec.wall)
+    for worker_id, step in rec.pushes:
+        shard.applied.record(worker_id, step)
+    return True
 
 
 def replay(shard: Shard, model: ShardModel, after: int) -> int:
     """Apply the logged versions after `after` to `model` (restored from the checkpoint of `after`), recording
-    their pushes as applied; return the version reached. The same gradients through the same optimizer: the
-    shard's state is exactly what it was when it logged them."""
+    their pushes as applied; return the version reached."""
     config = shard.config
     version = after
     if not config.checkpoint_dir:
         return version
     for rec in wal.records(config.checkpoint_dir, shard.index, after):
-        if rec.grad.size != model.numel:
-            log.error(
-                "shard %d: the log's version %d has %d elements, the model %d: stopping the replay there",
-                shard.index,
-                rec.version,
-                rec.grad.size,
-                model.numel,
-            )
+        if not apply_logged(shard, model, rec):
             break
-        model.step(torch.from_numpy(rec.grad.copy()))
-        if model.tables:
-            rows = [RowBlock(b.table, b.ids.copy(), None if b.values is None else b.values.copy()) for b in rec.rows]
-            model.tables.apply(rows, rec.version, rec.wall)
-        for worker_id, step in rec.pushes:
-            shard.applied.record(worker_id, step)
         version = rec.version
     if version > after:
         log.info("shard %d: replayed versions %d..%d from the write-ahead log", shard.index, after + 1, version)

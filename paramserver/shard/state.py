@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from paramserver.errors import (
     InvalidArgument,
     ModelMismatch,
     NotInitialized,
+    NotPrimary,
     PullTimeout,
     ShuttingDown,
     StaleRound,
@@ -30,7 +32,7 @@ from paramserver.errors import (
 )
 from paramserver.placement import TensorSpec
 from paramserver.server.metrics import ShardMetrics
-from paramserver.shard import persistence, status
+from paramserver.shard import persistence, status, wal
 from paramserver.shard.attachments import Attachment, Attachments, Ticket
 from paramserver.shard.checkpoint import Snapshot
 from paramserver.shard.consistency import make_policy
@@ -61,13 +63,29 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+class Replicator(Protocol):
+    """Where a primary's updates go besides its own log: its backup (paramserver.server.replica)."""
+
+    def send(self, version: int, parts: Sequence[memoryview | bytes]) -> None:
+        """Hand over one encoded update (under the shard's lock, in version order, before the version shows)."""
+
+    def wait_acked(self, version: int, timeout: float) -> bool:
+        """Wait until every copy that must hold `version` does; False after `timeout` seconds."""
+        return True
+
+
 class Shard:
     """One shard of the parameter server: everything the servicer acts on."""
 
     def __init__(self, config: ServerConfig, index: int = 0, addresses: Sequence[str] = ()) -> None:
         self.config = config
         self.index = index
-        self.addresses: tuple[str, ...] = tuple(addresses)
+        self.addresses: tuple[str, ...] = tuple(addresses)  # one per shard (its first copy's, with replicas)
+        self.replica_addresses: tuple[str, ...] = ()  # with replicas: every copy's, each shard's copies in turn
+        # Non-empty while this process must not serve workers (a backup; a deposed primary): why, as they are told.
+        self.standby = ""
+        self.replicator: Replicator | None = None
+        self.replicated = False  # a copy that holds every acknowledged update (a backup that took over)
         self.version = 0
         self.membership = Membership(config.workers)
         self.applied = AppliedLog()
@@ -98,6 +116,7 @@ class Shard:
                 f"worker {worker_id!r} belongs to job {job_name!r}, this shard serves job {self.config.job_name!r}"
             )
         with self._cond:
+            self.check_serving()
             new = worker_id not in self.membership.live
             worker = self.membership.join(worker_id)
             if new:
@@ -142,13 +161,20 @@ class Shard:
     def heartbeat(self, worker_id: str) -> int:
         """Renew a worker's lease; return the version (UnknownWorker if it was evicted)."""
         with self._cond:
+            self.check_serving()
             self.membership.get(worker_id)
             return self.version
 
     def check_worker(self, worker_id: str) -> None:
         """Raise UnknownWorker unless the worker is live (renewing its lease)."""
         with self._cond:
+            self.check_serving()
             self.membership.get(worker_id)
+
+    def check_serving(self) -> None:
+        """Raise NotPrimary where this process holds a copy it must not serve from (call under the lock)."""
+        if self.standby:
+            raise NotPrimary(self.standby)
 
     # -- init and restore --------------------------------------------------------------------------------------
 
@@ -156,6 +182,8 @@ class Shard:
         self, specs: Sequence[TensorSpec], num_shards: int, digest: str, tables: Sequence[TableSpec] = ()
     ) -> ShardModel:
         """Check an Init header and return an unattached model to receive the initial values into."""
+        with self._cond:
+            self.check_serving()
         return self.init_slot.prepare(specs, num_shards, digest, tables)
 
     def initialising(self) -> contextlib.AbstractContextManager[None]:
@@ -191,16 +219,23 @@ class Shard:
     @property
     def durable(self) -> bool:
         """Whether every acknowledged update is in a write-ahead log (a checkpoint_dir is set): a restart then
-        resumes at the newest version any worker was told of."""
-        return self.checkpoints.wal is not None
+        resumes at the newest version any worker was told of. So is a copy of a replicated shard that holds every
+        acknowledged update."""
+        return self.checkpoints.wal is not None or self.replicated
 
     def wait_durable(self, worker_id: str, timeout: float) -> None:
         """Wait until the update holding this worker's last push is logged as --wal-sync promises (in sync mode:
         until its round applied); PullTimeout after `timeout` seconds. At once without a log."""
-        if not self.durable:
+        if not self.durable and self.replicator is None:
             return
         with self._cond:
             version = self.version + self.policy.pending(worker_id)
+        replicator = self.replicator
+        if replicator is not None and not replicator.wait_acked(version, timeout):
+            raise PullTimeout(
+                f"shard {self.index}: the push was taken, but its backup did not confirm version {version} within "
+                f"{timeout:.1f} s; push again (it applies once)"
+            )
         if not self.checkpoints.wait_durable(version, timeout):
             raise PullTimeout(
                 f"shard {self.index}: the push was taken, but version {version}, which holds it, was not durable "
@@ -221,6 +256,8 @@ class Shard:
     def require_model(self, digest: str | None = None) -> ShardModel:
         """Return the held model, checking the caller's digest when given."""
         model = self.model
+        if self.standby:  # a backup's model is not the one to act on: the worker must find the primary
+            raise NotPrimary(self.standby)
         if model is None:
             raise NotInitialized(f"shard {self.index} holds no model yet: register (init) the model first")
         if digest is not None and digest != model.digest:
@@ -252,6 +289,7 @@ class Shard:
         policy; return (version, applied). `lent`: the gradient is in a buffer lent by `scratch()`, which the
         policy may keep (see `keep_scratch`)."""
         with self._cond:
+            self.check_serving()
             model = self.require_model(digest)
             if grad.shape != (model.numel,):
                 raise InvalidArgument(f"gradient of {grad.shape[0]} elements for a shard of {model.numel}")
@@ -314,13 +352,19 @@ class Shard:
         model = self.model
         assert model is not None
         started = time.perf_counter()
-        # Logged before it applies and before the version shows: no worker hears of a version the log lacks.
-        self.checkpoints.log(self.version + 1, self._round_pushes, grad, rows)
+        version, wall = self.version + 1, time.time()
+        # Logged (and handed to the backup) before it applies and before the version shows: no worker hears of a
+        # version the log lacks.
+        if self.checkpoints.wal is not None or self.replicator is not None:
+            parts = wal.encode(version, self._round_pushes, grad.numpy(), rows, wall)
+            self.checkpoints.log(version, parts)
+            if self.replicator is not None:
+                self.replicator.send(version, parts)
         self._round_pushes = []
         model.step(grad)
         if model.tables:
-            model.tables.apply(rows, self.version + 1)
-        self.version += 1
+            model.tables.apply(rows, version, wall)
+        self.version = version
         self._cond.notify_all()
         m = self.metrics
         m.apply_seconds.observe(time.perf_counter() - started)
@@ -333,6 +377,60 @@ class Shard:
             m.straggler(self.membership.rank_of(straggler))
         if self.checkpoints.due_at(self.version) or self.checkpoints.log_full(model.numel * 4):
             self.checkpoint_locked()
+
+    # -- a backup's copy (paramserver.server.replica) ---------------------------------------------------------
+
+    def install(self, snap: Snapshot) -> None:
+        """Take the state a primary sent (a backup catching up): the model, the applied pushes and the version,
+        replacing whatever this copy held. With a checkpoint_dir the snapshot is already this copy's newest
+        checkpoint (the caller saved it there) and the log starts after it."""
+        model = persistence.model_of(self.config, self.index, snap)
+        with self._cond:
+            self.adopt_locked(model, snap.version)
+            self.applied = AppliedLog.restore(snap.applied)
+            self.finished_workers = snap.finished_workers
+            self.metrics.version.set(self.version)
+            self.checkpoints.close_log()
+            self.checkpoints.forget_log(self.index)
+            self.checkpoints.open_log(self.index, self.version)
+
+    def apply_record(self, rec: wal.Record, parts: Sequence[memoryview | bytes]) -> None:
+        """Apply one update a primary streamed (a backup), logging it first; ValueError where it does not follow
+        this copy's version or fit its model."""
+        with self._cond:
+            model = self.model
+            if model is None:
+                raise ValueError("an update before the state it applies to")
+            if rec.version != self.version + 1:
+                raise ValueError(f"an update to version {rec.version} for a copy at version {self.version}")
+            self.checkpoints.log(rec.version, parts)
+            if not persistence.apply_logged(self, model, rec):
+                raise ValueError(f"the update to version {rec.version} does not fit this copy's model")
+            self.version = rec.version
+            self._cond.notify_all()
+            self.metrics.version.set(self.version)
+            if self.checkpoints.due_at(self.version) or self.checkpoints.log_full(model.numel * 4):
+                self.checkpoint_locked()
+
+    def set_standby(self, why: str) -> None:
+        """Refuse workers from now on with NotPrimary(why) (empty: serve them); every waiting pull is told."""
+        with self._cond:
+            self.standby = why
+            if why:
+                self.attachments.clear()
+            self._cond.notify_all()
+
+    def take_over(self, complete: bool) -> None:
+        """Serve workers as the part's primary (`complete`: this copy holds every acknowledged update, as a backup
+        that took over does). In sync mode the first round waits for the job's workers to join here, as after a
+        restore."""
+        with self._cond:
+            self.replicated = complete
+            if self.model is not None:
+                self.membership.rejoin_all(self.finished_workers)
+                self.policy.reset(self.model.numel)
+            self.standby = ""
+            self._cond.notify_all()
 
     # -- pull --------------------------------------------------------------------------------------------------
 
@@ -381,6 +479,7 @@ class Shard:
             return version
 
     def _wait_locked(self, min_version: int, timeout: float, worker_id: str) -> tuple[int, ShardModel]:
+        self.check_serving()
         if worker_id:
             self.membership.get(worker_id)
         self.require_model()
@@ -408,10 +507,14 @@ class Shard:
 
     def attach(self, worker_id: str, name: str, nonce: bytes, elements: int, digest: str) -> None:
         """Map a live worker's shared-memory segment for its Exchanges (replacing any earlier attachment)."""
+        with self._cond:
+            self.check_serving()
         self.attachments.attach_segment(worker_id, name, nonce, elements, digest)
 
     def attach_socket(self, worker_id: str, nonce: bytes, elements: int, digest: str) -> None:
         """Take a live worker's data-socket ticket (replacing any earlier attachment)."""
+        with self._cond:
+            self.check_serving()
         self.attachments.attach_socket(worker_id, nonce, elements, digest)
 
     def attachment(self, worker_id: str, model: ShardModel) -> Attachment:
@@ -431,6 +534,11 @@ class Shard:
     def tick(self, now: float | None = None) -> None:
         """Evict workers whose lease ran out, log a long wait, take a checkpoint when one is due."""
         self.maintenance.tick(now)
+
+    @property
+    def lock(self) -> threading.Condition:
+        """The shard's one lock (for the replication link, which sends updates in version order under it)."""
+        return self._cond
 
     @property
     def closed(self) -> bool:

@@ -31,7 +31,6 @@ import os
 import re
 import struct
 import threading
-import time
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -110,37 +109,16 @@ class WriteAheadLog:
             finally:
                 os.close(dir_fd)
 
-    def append(
-        self, version: int, pushes: Sequence[tuple[str, int]], grad: np.ndarray, rows: Sequence[RowBlock]
-    ) -> None:
-        """Write one record (call in version order, under the shard's lock)."""
-        header = json.dumps(
-            {
-                "version": version,
-                "time": time.time(),
-                "pushes": [[w, s] for w, s in pushes],
-                "grad": int(grad.size),
-                "rows": [[b.table, len(b.ids), int(b.values.shape[1]) if b.values is not None else 0] for b in rows],
-            },
-            separators=(",", ":"),
-        ).encode()
-        parts: list[memoryview | bytes] = [_HEAD.pack(MAGIC, len(header), zlib.crc32(header)), header]
-        parts.append(np.ascontiguousarray(grad, dtype=np.float32).data.cast("B"))
-        for b in rows:
-            assert b.values is not None
-            parts.append(np.ascontiguousarray(b.ids, dtype=np.int64).data.cast("B"))
-            parts.append(np.ascontiguousarray(b.values, dtype=np.float32).data.cast("B"))
-        parts.append(_TAIL.pack(version, END))
+    def append(self, version: int, parts: Sequence[memoryview | bytes]) -> None:
+        """Write one encoded record (`encode`; call in version order, under the shard's lock)."""
         total = sum(len(p) for p in parts)
-        _write_all(self._fd, parts, total)
+        _write_all(self._fd, list(parts), total)
         self.bytes += total
         with self._cond:
             self._written = version
             if not self.fsync:
                 self.durable = version
-                self._cond.notify_all()
-            else:
-                self._cond.notify_all()  # wake the syncer
+            self._cond.notify_all()  # waiters; with fsync, the syncer
 
     def _sync_loop(self) -> None:
         while True:
@@ -198,6 +176,90 @@ class WriteAheadLog:
                 path_for(self.directory, self.shard_index, self._start).unlink(missing_ok=True)
 
 
+def encode(
+    version: int, pushes: Sequence[tuple[str, int]], grad: np.ndarray, rows: Sequence[RowBlock], wall: float
+) -> list[memoryview | bytes]:
+    """One record as buffers to write in order (views of `grad` and the rows, not copies): what the log writes
+    and what a primary streams to its backup."""
+    header = json.dumps(
+        {
+            "version": version,
+            "time": wall,
+            "pushes": [[w, s] for w, s in pushes],
+            "grad": int(grad.size),
+            "rows": [[b.table, len(b.ids), int(b.values.shape[1]) if b.values is not None else 0] for b in rows],
+        },
+        separators=(",", ":"),
+    ).encode()
+    parts: list[memoryview | bytes] = [_HEAD.pack(MAGIC, len(header), zlib.crc32(header)), header]
+    parts.append(np.ascontiguousarray(grad, dtype=np.float32).data.cast("B"))
+    for b in rows:
+        assert b.values is not None
+        parts.append(np.ascontiguousarray(b.ids, dtype=np.int64).data.cast("B"))
+        parts.append(np.ascontiguousarray(b.values, dtype=np.float32).data.cast("B"))
+    parts.append(_TAIL.pack(version, END))
+    return parts
+
+
+def header_size(head: bytes) -> int:
+    """The length of a record's header from its first HEAD_BYTES bytes; ValueError if they start no record."""
+    magic, hlen, _ = _HEAD.unpack(head)
+    if magic != MAGIC or hlen > MAX_HEADER:
+        raise ValueError("not the start of a write-ahead log record")
+    return int(hlen)
+
+
+def body_size(head: bytes, header: bytes) -> int:
+    """How many bytes follow a record's header (tensors and trailer); ValueError for a damaged header."""
+    _, _, crc = _HEAD.unpack(head)
+    if zlib.crc32(header) != crc:
+        raise ValueError("a write-ahead log record's header fails its checksum")
+    try:
+        doc = json.loads(header)
+        size = 4 * int(doc["grad"]) + sum(8 * int(n) + 4 * int(n) * int(d) for _, n, d in doc["rows"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"a write-ahead log record's header does not parse: {exc}") from None
+    return size + _TAIL.size
+
+
+HEAD_BYTES = _HEAD.size
+
+
+def decode(data: memoryview, at: int = 0) -> tuple[Record, int] | None:
+    """The record starting at byte `at` of `data` and the offset after it; None where no whole, intact record
+    starts there (a torn tail). The arrays are views of `data`."""
+    if at + _HEAD.size > len(data):
+        return None
+    magic, hlen, crc = _HEAD.unpack_from(data, at)
+    if magic != MAGIC or hlen > MAX_HEADER or at + _HEAD.size + hlen > len(data):
+        return None
+    header = bytes(data[at + _HEAD.size : at + _HEAD.size + hlen])
+    if zlib.crc32(header) != crc:
+        return None
+    try:
+        doc = json.loads(header)
+        body = at + _HEAD.size + hlen
+        n = int(doc["grad"])
+        grad = np.frombuffer(data[body : body + 4 * n], dtype=np.float32)
+        body += 4 * n
+        rows = []
+        for table, count, dim in doc["rows"]:
+            ids = np.frombuffer(data[body : body + 8 * count], dtype=np.int64)
+            body += 8 * count
+            values = np.frombuffer(data[body : body + 4 * count * dim], dtype=np.float32).reshape(count, dim)
+            body += 4 * count * dim
+            rows.append(RowBlock(int(table), ids, values))
+        if body + _TAIL.size > len(data) or len(grad) != n:
+            return None
+        version, end = _TAIL.unpack_from(data, body)
+        if end != END or version != doc["version"]:
+            return None
+        pushes = [(str(w), int(s)) for w, s in doc["pushes"]]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return Record(int(doc["version"]), pushes, grad, rows, float(doc.get("time", 0.0))), body + _TAIL.size
+
+
 def _write_all(fd: int, parts: list[memoryview | bytes], total: int) -> None:
     """writev until every byte is written (a large record takes several calls)."""
     done = 0
@@ -239,35 +301,8 @@ def _read(path: Path) -> Iterator[Record]:
         log.warning("write-ahead log %s vanished while being read", path)
         return
     at = 0
-    while at + _HEAD.size <= len(data):
-        magic, hlen, crc = _HEAD.unpack_from(data, at)
-        if magic != MAGIC or hlen > MAX_HEADER or at + _HEAD.size + hlen > len(data):
-            break
-        header = bytes(data[at + _HEAD.size : at + _HEAD.size + hlen])
-        if zlib.crc32(header) != crc:
-            break
-        try:
-            doc = json.loads(header)
-            body = at + _HEAD.size + hlen
-            n = int(doc["grad"])
-            grad = np.frombuffer(data[body : body + 4 * n], dtype=np.float32)
-            body += 4 * n
-            rows = []
-            for table, count, dim in doc["rows"]:
-                ids = np.frombuffer(data[body : body + 8 * count], dtype=np.int64)
-                body += 8 * count
-                values = np.frombuffer(data[body : body + 4 * count * dim], dtype=np.float32).reshape(count, dim)
-                body += 4 * count * dim
-                rows.append(RowBlock(int(table), ids, values))
-            if body + _TAIL.size > len(data) or len(grad) != n:
-                break
-            version, end = _TAIL.unpack_from(data, body)
-            if end != END or version != doc["version"]:
-                break
-        except (KeyError, TypeError, ValueError):
-            break
-        pushes = [(str(w), int(s)) for w, s in doc["pushes"]]
-        yield Record(int(doc["version"]), pushes, grad, rows, float(doc.get("time", 0.0)))
-        at = body + _TAIL.size
+    while (found := decode(data, at)) is not None:
+        rec, at = found
+        yield rec
     if at < len(data):
         log.warning("write-ahead log %s: a torn record at byte %d (never acknowledged) ends it", path, at)

@@ -129,7 +129,7 @@ class GetTopologyRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Topology(_message.Message):
-    __slots__ = ("shards", "shard_index", "job", "initialized", "model_digest", "specs", "version", "slice_elements", "tables")
+    __slots__ = ("shards", "shard_index", "job", "initialized", "model_digest", "specs", "version", "slice_elements", "tables", "replicas")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class Topology(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SLICE_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedScalarFieldContainer[str]
     shard_index: int
     job: JobInfo
@@ -148,7 +149,8 @@ class Topology(_message.Message):
     version: int
     slice_elements: int
     tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
-    def __init__(self, shards: _Optional[_Iterable[str]] = ..., shard_index: _Optional[int] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., initialized: _Optional[bool] = ..., model_digest: _Optional[str] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[int] = ..., slice_elements: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
+    replicas: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., shard_index: _Optional[int] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., initialized: _Optional[bool] = ..., model_digest: _Optional[str] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[int] = ..., slice_elements: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., replicas: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("worker_id", "job_name")

@@ -54,6 +54,9 @@ CONNECT_S = 5.0  # how long connecting to a data socket (or one try at the first
 # for CONNECT_S ever more rarely.
 RETRY_LINK_S = 30.0
 RETRY_LINK_MAX_S = 900.0
+# How long a worker waits at most between tries while it looks for a replicated shard's primary (the other copy
+# takes over within --replica-timeout, half a second by default).
+COPY_RETRY_MAX_S = 0.2
 
 
 @dataclass
@@ -88,17 +91,27 @@ class Fallback:
 class ShardLink:
     """A worker's link to one shard.
 
-    Public, read-only: `address`; `transport`, the path the next exchange takes (`transport.kind` is "shared
+    Public, read-only: `address` (with replicas, of the copy it talks to now); `copies`, every copy's address
+    (one without replicas); `transport`, the path the next exchange takes (`transport.kind` is "shared
     memory", "data socket" or "gRPC"); `fallback`, set while the shard is on gRPC for want of a faster path;
     `shared_memory_refused`, once the shard said it cannot share memory with this worker; `version` and
     `incarnation`, what the last pull returned.
     """
 
     def __init__(
-        self, index: int, address: str, channel: grpc.Channel, session: Session, pool: futures.ThreadPoolExecutor
+        self,
+        index: int,
+        address: str,
+        channel: grpc.Channel,
+        session: Session,
+        pool: futures.ThreadPoolExecutor,
+        copies: tuple[str, ...] = (),
+        connect: Callable[[str], grpc.Channel] | None = None,
     ) -> None:
         self.index = index
         self.address = address
+        self.copies = copies or (address,)
+        self._connect = connect
         self._channel = channel
         self._session = session
         self._pool = pool
@@ -332,6 +345,21 @@ class ShardLink:
             return None
         return DataSocket(bell, self._pool, self.address, s.push_in_turn)
 
+    def other_copy(self) -> bool:
+        """Talk to the shard's next copy from now on (the one this link talked to did not answer, or is not the
+        primary); False where the shard has one copy."""
+        if len(self.copies) < 2 or self._connect is None:
+            return False
+        at = self.copies.index(self.address) if self.address in self.copies else -1
+        self.drop()
+        self._channel.close()
+        self.address = self.copies[(at + 1) % len(self.copies)]
+        self._channel = self._connect(self.address)
+        self.rpc = Grpc(self._channel, self.address, self._pool, self._session.chunk_bytes)
+        self.shared_memory_refused = False
+        self.fallback = None
+        return True
+
     def drop(self) -> None:
         """Forget the attached transport (unmapping its segment, closing its connection); the next exchange
         attaches anew."""
@@ -369,6 +397,12 @@ class ShardLink:
                 time.sleep(init_delay)
                 init_delay = min(2 * init_delay, INIT_POLL_S)
             elif exc.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline:
+                was = self.address
+                if self.other_copy():
+                    log.info("shard %d: copy %s unavailable (%s); trying copy %s", self.index, was, exc, self.address)
+                    time.sleep(min(delay, COPY_RETRY_MAX_S))
+                    delay = min(2 * delay, COPY_RETRY_MAX_S)
+                    continue
                 log.info("shard %s unavailable (%s); retrying in %.2f s", self.address, exc, delay)
                 time.sleep(delay)
                 delay = min(2 * delay, 2.0)

@@ -231,8 +231,25 @@ class PSClient:
         self.addresses: list[str] = list(topo.shards)
         self.mode = mode_name(topo.job.mode, "unknown")
         self._pool = futures.ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps-client")
+        copies = len(topo.replicas) // len(self.addresses) if topo.replicas else 1
+        if copies > 1:
+            # A shard's copy that is not its primary answers UNAVAILABLE at once: the link tries the other copy
+            # (ShardLink.retry), where the channel's own retries would keep asking the same one.
+            options = no_retries
+
+        def connect(address: str) -> grpc.Channel:
+            return open_channel(address, options, credentials, auth_token)
+
         self.links = tuple(
-            ShardLink(k, a, open_channel(a, options, credentials, auth_token), self._session, self._pool)
+            ShardLink(
+                k,
+                a,
+                connect(a),
+                self._session,
+                self._pool,
+                tuple(topo.replicas[k * copies : (k + 1) * copies]),
+                connect,
+            )
             for k, a in enumerate(self.addresses)
         )
         if join:

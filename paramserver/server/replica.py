@@ -1,0 +1,634 @@
+"""Hot standby (`--replicas 2`): one shard's two copies, the primary streaming every update to its backup.
+
+Roles live in the coordinator (paramserver.coord: the primary, the in-sync copies, the epoch), changed only by
+compare-and-swap. The primary serves workers; the backup refuses them (NotPrimary, so they try the other copy).
+
+The stream is chain replication with a chain of two: the primary hands each update, exactly as its write-ahead
+log encodes it (paramserver.shard.wal), to the backup over a TCP connection, under the shard's lock and in version
+order; the backup logs and applies it and answers with the version. While the backup is in the in-sync set, a
+push is acknowledged only once the backup has answered for the version holding it, so every acknowledged update
+is on both copies. Messages, primary to backup:
+
+    b"S" u64 n, n bytes   the whole state (a checkpoint file) a backup starts from
+    b"R" record           one update, as the write-ahead log writes it
+    b"H" u64 version, u32 finished workers, u8 in sync   a heartbeat, every replica_timeout / 4
+
+and backup to primary a u64 version for every one of those. The backup opens the connection with a JSON hello
+(job, shard, copy, the epoch it read, the bearer token when the job has one).
+
+Failures, decided in the coordinator:
+
+- the primary dies or falls silent for replica_timeout: the backup, if in sync, makes itself primary (epoch + 1)
+  and serves; the workers' retries find it. The restarted process sees another primary and becomes the backup:
+  it takes the whole state and then the stream, and joins the in-sync set once it has caught up.
+- the backup dies or falls silent: the primary takes it out of the in-sync set and goes on alone.
+- both at once (a partition between them): both try, one compare-and-swap wins. The loser, if it was the
+  primary, is deposed: it refuses workers and its process exits with status 3 (restarted, it becomes the
+  backup). It never acknowledged anything its rival lacks: its acknowledgements needed the backup's answer or
+  the compare-and-swap it lost.
+- a copy cut off from the coordinator changes no role: a primary that must drop its backup waits (and its
+  pushes wait), a backup that lost its primary waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import os
+import shutil
+import socket
+import ssl
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from paramserver.config import ServerConfig
+from paramserver.coord import CoordinatorUnavailable, Etcd, PartConfig, PartRegister
+from paramserver.errors import NotPrimary
+from paramserver.security import client_ssl_context, read_token, server_ssl_context
+from paramserver.shard import checkpoint, wal
+from paramserver.shard.state import Shard
+from paramserver.transport.tcp import keep_alive
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT, RECORD, HEARTBEAT = b"S", b"R", b"H"
+_U64 = struct.Struct("<Q")
+_BEAT = struct.Struct("<QIB")
+MAX_HELLO = 4096
+MAX_QUEUED_BYTES = 1 << 30  # updates held for a backup taking the state before it is dropped (and tries again)
+MIN_BYTES_PER_S = 20 << 20  # the slowest link (and apply) a large update is given time for before the copy is dropped
+NO_MODEL = "this primary holds no model yet (no worker registered one)"
+DEPOSED_EXIT = 3  # the status a deposed primary's process exits with, to come back as the backup
+
+
+def copy_dir(config: ServerConfig, copy: int) -> ServerConfig:
+    """A copy's config: its own checkpoint directory (copy-R under the job's), as both copies may share a disk."""
+    if config.replicas < 2 or not config.checkpoint_dir:
+        return config
+    return config.replace(checkpoint_dir=str(Path(config.checkpoint_dir) / f"copy-{copy}"))
+
+
+def _recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> memoryview:
+    buf = into if into is not None else memoryview(bytearray(n))
+    got = 0
+    while got < n:
+        k = sock.recv_into(buf[got:n])
+        if not k:
+            raise ConnectionError("the other copy closed the replication link")
+        got += k
+    return buf
+
+
+def _send_message(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(_U64.pack(len(payload)) + payload)
+
+
+def _recv_message(sock: socket.socket, limit: int) -> bytes:
+    (n,) = _U64.unpack(_recv_exact(sock, _U64.size))
+    if n > limit:
+        raise ConnectionError(f"a replication hello of {n} bytes (at most {limit})")
+    return bytes(_recv_exact(sock, n))
+
+
+class Replication:
+    """One copy of a replicated shard: its role, and its end of the replication link. Also the shard's
+    Replicator while it is the primary (`send`, `wait_acked`)."""
+
+    def __init__(
+        self,
+        shard: Shard,
+        copy: int,
+        coordinator: Etcd,
+        host: str,
+        advertise_host: str,
+        on_ready: Callable[[bool], None] = lambda ready: None,
+    ) -> None:
+        self.shard = shard
+        # Told whether this copy counts (a primary, or a backup in the in-sync set): its readiness, so that a
+        # disruption budget never lets a drain take the only copy that holds everything.
+        self._on_ready = on_ready
+        self.ready = False
+        self.config = shard.config
+        self.copy = copy
+        self.other = 1 - copy
+        self.register = PartRegister(coordinator, self.config.job_name, shard.index)
+        self.timeout = self.config.replica_timeout
+        self._listener = socket.create_server((host, self.config.replication_port))
+        self.link = f"{advertise_host}:{self._listener.getsockname()[1]}"
+        self._token = read_token(self.config.auth_token_file) if self.config.auth_token_file else ""
+        c = self.config
+        self._server_tls = server_ssl_context(c.tls_cert, c.tls_key, c.tls_ca)
+        self._client_tls = client_ssl_context(c.tls_ca, c.tls_cert, c.tls_key) if c.tls_cert else None
+        if self._client_tls is not None:
+            self._client_tls.check_hostname = False  # the CA vouches for a shard of this job; addresses vary
+        self.config_seen: PartConfig | None = None
+        self.deposed = threading.Event()  # set once this process must exit DEPOSED_EXIT
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        # The primary's side of the link (guarded by the shard's lock where `send` runs under it).
+        self._cond = threading.Condition()
+        self._backup: socket.socket | None = None
+        self._backup_id = 0  # which connection the fields below belong to
+        self._live = False  # the backup has caught up: updates go straight to it
+        self._queue: list[tuple[int, bytes]] = []  # updates made while its state was being sent
+        self._queued_bytes = 0
+        self._need_acks = False  # acknowledgements wait for the backup (from the moment it is live)
+        self._sent = 0
+        self._acked = 0
+        self._heard = 0.0
+        self._unacked_bytes = 0
+        self._failed = ""  # why the backup link broke ("" while it holds)
+        self.took_over_at: float | None = None  # monotonic time this copy became primary after its rival
+
+    # -- start and stop ------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Find this copy's role in the coordinator and take it: restore and serve (primary) or follow."""
+        while not self._stop.is_set():
+            try:
+                role = self._claim()
+            except CoordinatorUnavailable as exc:
+                log.warning("shard %d copy %d: the coordinator is unreachable (%s); retrying", *self._who(), exc)
+                time.sleep(min(1.0, self.timeout))
+                continue
+            if role == "primary":
+                self.shard.restore()  # a lone primary's own disk holds every update it acknowledged
+                self._become_primary()
+                return
+            if role == "backup":
+                self._become_backup()
+                return
+            time.sleep(0.05)  # lost a race: read again
+
+    def _who(self) -> tuple[int, int]:
+        return self.shard.index, self.copy
+
+    def _claim(self) -> str:
+        """Read the configuration and take this process's role in it ("" where a compare-and-swap lost)."""
+        cfg = self.register.read()
+        me, links = self.copy, {self.copy: self.link}
+        if cfg is None:
+            new = PartConfig(epoch=1, primary=me, in_sync=(me,), links=links)
+            return self._commit(None, new, "primary")
+        links = {**cfg.links, me: self.link}
+        if cfg.primary == me:
+            others = [r for r in cfg.in_sync if r != me]
+            if not others:  # the only copy with everything: go on from its own disk
+                return self._commit(cfg, cfg.but(epoch=cfg.epoch + 1, in_sync=(me,), links=links), "primary")
+            # This process restarted with nothing in memory while its backup holds every acknowledged update.
+            new = cfg.but(epoch=cfg.epoch + 1, primary=others[0], in_sync=tuple(others), links=links)
+            return self._commit(cfg, new, "") or ""
+        # Another copy is primary: this one lost its state, so it leaves the in-sync set until it catches up.
+        new = cfg.but(in_sync=tuple(r for r in cfg.in_sync if r != me), links=links)
+        return self._commit(cfg, new, "backup")
+
+    def _commit(self, old: PartConfig | None, new: PartConfig, role: str) -> str:
+        stored = self.register.swap(old, new)
+        if stored is None:
+            return ""
+        self.config_seen = stored
+        return role
+
+    def stop(self) -> None:
+        """Close the link and the listener; the threads end."""
+        self._stop.set()
+        with self._cond:
+            self._drop_backup_locked("stopping")
+            self._cond.notify_all()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def _thread(self, target: object, name: str) -> None:
+        t = threading.Thread(target=target, name=f"shard{self.shard.index}-{name}", daemon=True)  # type: ignore[arg-type]
+        t.start()
+        self._threads.append(t)
+
+    # -- primary ---------------------------------------------------------------------------------------------------
+
+    def _become_primary(self) -> None:
+        cfg = self.config_seen
+        assert cfg is not None
+        log.info("shard %d copy %d: primary (epoch %d)", *self._who(), cfg.epoch)
+        self.shard.metrics.primary.set(1)
+        self.shard.metrics.backup_in_sync.set(int(self.other in cfg.in_sync))
+        self.shard.replicator = self
+        self.shard.take_over(complete=self.took_over_at is not None)
+        self._set_ready(True)
+        self._thread(self._accept_loop, "replication-accept")
+        self._thread(self._watch_backup, "replication-watch")
+
+    def send(self, version: int, parts: Sequence[memoryview | bytes]) -> None:
+        """Hand one update to the backup (under the shard's lock, in version order): straight onto the link once
+        it is live, else queued (copied) behind the state being sent."""
+        with self._cond:
+            sock = self._backup
+            if sock is None or self._failed:
+                return
+            total = sum(len(p) for p in parts)
+            if not self._live:
+                self._queue.append((version, b"".join(parts)))
+                self._queued_bytes += total
+                if self._queued_bytes > max(MAX_QUEUED_BYTES, 4 * total):
+                    self._failed = f"it fell {self._queued_bytes} bytes of updates behind while taking the state"
+                    self._cond.notify_all()
+                return
+            try:
+                sock.settimeout(self.timeout + total / MIN_BYTES_PER_S)
+                sock.sendall(RECORD)
+                for p in parts:
+                    sock.sendall(p)
+            except OSError as exc:
+                self._failed = f"sending version {version} failed: {exc}"
+                self._cond.notify_all()
+                return
+            self._sent = version
+            self._unacked_bytes += total
+
+    def wait_acked(self, version: int, timeout: float) -> bool:
+        """Wait until the backup holds `version`, where it must (in the in-sync set, or catching up live);
+        NotPrimary once this copy was deposed."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self.deposed.is_set() or not self._need_acks or self._acked >= version, timeout=timeout
+            )
+            if self.deposed.is_set():
+                raise NotPrimary(f"shard {self.shard.index} copy {self.copy} is no longer the primary")
+            return not self._need_acks or self._acked >= version
+
+    def _accept_loop(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.settimeout(0.2)  # a closed listener does not wake a blocked accept: look at _stop instead
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(None)
+            threading.Thread(target=self._adopt_backup, args=(conn,), name="replication-hello", daemon=True).start()
+
+    def _adopt_backup(self, conn: socket.socket) -> None:
+        """Check a backup's hello, send it the whole state, then the updates made meanwhile; it is live after."""
+        try:
+            conn.settimeout(max(2.0, self.timeout))
+            keep_alive(conn)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._server_tls is not None:
+                conn = self._server_tls.wrap_socket(conn, server_side=True)
+            hello = json.loads(_recv_message(conn, MAX_HELLO))
+            why = self._refuse(hello)
+            if why:
+                level = logging.DEBUG if why == NO_MODEL else logging.WARNING
+                log.log(level, "shard %d copy %d: refused a backup: %s", *self._who(), why)
+                _send_message(conn, json.dumps({"error": why}).encode())
+                conn.close()
+                return
+            _send_message(conn, json.dumps({"ok": True}).encode())
+        except (OSError, ValueError, ssl.SSLError) as exc:
+            log.info("shard %d copy %d: a replication connection failed its hello: %s", *self._who(), exc)
+            conn.close()
+            return
+        # A new connection starts out of sync (a restarted backup holds nothing; a reconnecting one is sent the
+        # whole state again): out of the in-sync set before anything else, then acknowledgements stop waiting.
+        self._drop_backup("a new connection from the backup")
+        if self.deposed.is_set():
+            conn.close()
+            return
+        with self._cond:
+            self._backup_id += 1
+            ident = self._backup_id
+            self._backup, self._live, self._queue, self._failed = conn, False, [], ""
+            self._queued_bytes = self._sent = self._acked = self._unacked_bytes = 0
+            self._heard = time.monotonic()
+        threading.Thread(target=self._read_acks, args=(conn, ident), name="replication-acks", daemon=True).start()
+        try:
+            self._send_state(conn, ident)
+        except (OSError, ValueError) as exc:
+            with self._cond:
+                if ident == self._backup_id and not self._failed:
+                    self._failed = f"sending the state failed: {exc}"
+                    self._cond.notify_all()
+
+    def _refuse(self, hello: dict[str, object]) -> str:
+        cfg = self.config_seen
+        if hello.get("job") != self.config.job_name:
+            return f"it belongs to job {hello.get('job')!r}, not {self.config.job_name!r}"
+        if hello.get("shard") != self.shard.index or hello.get("copy") != self.other:
+            return f"it is shard {hello.get('shard')} copy {hello.get('copy')}, not shard {self.shard.index}'s other"
+        if self._token and not hmac.compare_digest(str(hello.get("token", "")), self._token):
+            return "it did not carry this job's bearer token"
+        if cfg is None or hello.get("epoch") != cfg.epoch:
+            return f"it read epoch {hello.get('epoch')}, this primary's is {cfg.epoch if cfg else None}"
+        if self.shard.model is None:
+            return NO_MODEL
+        return ""
+
+    def _send_state(self, conn: socket.socket, ident: int) -> None:
+        with self.shard.lock:
+            if self.shard.model is None:
+                raise ValueError("this primary holds no model yet (no worker registered one)")
+            snap = self.shard.snapshot()
+        with tempfile.TemporaryDirectory(prefix="ps-replica-") as tmp:
+            path = Path(tmp) / "state.safetensors"
+            checkpoint.save_as(path, snap, durable=False)
+            del snap
+            size = path.stat().st_size
+            conn.settimeout(self.timeout + size / MIN_BYTES_PER_S)
+            conn.sendall(SNAPSHOT + _U64.pack(size))
+            with open(path, "rb") as f:
+                conn.sendfile(f)
+        log.info("shard %d copy %d: sent the backup its state (%d bytes)", *self._who(), size)
+        # The updates made meanwhile, then live: under the shard's lock no update is in flight.
+        while True:
+            with self.shard.lock, self._cond:
+                if ident != self._backup_id or self._failed:
+                    return
+                if not self._queue:
+                    self._live = True
+                    self._need_acks = True  # from now on an acknowledgement waits for the backup
+                    self._sent = max(self._sent, self.shard.version)
+                    return
+                batch, self._queue = self._queue, []
+            for version, data in batch:
+                conn.settimeout(self.timeout + len(data) / MIN_BYTES_PER_S)
+                conn.sendall(RECORD + data)
+                with self._cond:
+                    self._sent = version
+                    self._unacked_bytes += len(data)
+
+    def _read_acks(self, conn: socket.socket, ident: int) -> None:
+        try:
+            conn.settimeout(None)  # the watcher judges silence; this thread only reads
+            while True:
+                (version,) = _U64.unpack(_recv_exact(conn, _U64.size))
+                with self._cond:
+                    if ident != self._backup_id:
+                        return
+                    self._acked = max(self._acked, version)
+                    self._heard = time.monotonic()
+                    self._unacked_bytes = 0 if self._acked >= self._sent else self._unacked_bytes
+                    self._cond.notify_all()
+        except (OSError, ConnectionError, struct.error) as exc:
+            with self._cond:
+                if ident == self._backup_id and not self._failed:
+                    self._failed = f"the link broke: {exc}"
+                    self._cond.notify_all()
+
+    def _watch_backup(self) -> None:
+        """Heartbeats when idle; the backup into the in-sync set once caught up, out of it once silent."""
+        beat = self.timeout / 4
+        while not self._stop.is_set() and not self.deposed.is_set():
+            with self._cond:
+                self._cond.wait(beat)
+                failed, live, acked, sent, ident = self._failed, self._live, self._acked, self._sent, self._backup_id
+                silent = time.monotonic() - self._heard
+                slack = self.timeout + self._unacked_bytes / MIN_BYTES_PER_S
+                if self._backup is not None and not failed and silent > slack:
+                    failed = self._failed = f"no answer for {silent:.2f} s"
+            if failed:
+                self._drop_backup(failed, ident)
+                continue
+            if self._backup is None:
+                continue
+            self._heartbeat()
+            cfg = self.config_seen
+            if live and cfg is not None and self.other not in cfg.in_sync and acked >= sent:
+                if self._change(lambda c: c.but(in_sync=(self.copy, self.other)), "the backup caught up"):
+                    self.shard.metrics.backup_in_sync.set(1)
+
+    def _heartbeat(self) -> None:
+        with self.shard.lock, self._cond:
+            sock = self._backup
+            if sock is None or self._failed or not self._live:
+                return
+            try:
+                sock.settimeout(self.timeout)
+                cfg = self.config_seen
+                in_sync = int(cfg is not None and self.other in cfg.in_sync)
+                sock.sendall(HEARTBEAT + _BEAT.pack(self.shard.version, self.shard.finished_workers, in_sync))
+            except OSError as exc:
+                self._failed = f"a heartbeat failed: {exc}"
+                self._cond.notify_all()
+
+    def _drop_backup_locked(self, why: str) -> None:
+        sock, self._backup = self._backup, None
+        self._backup_id += 1
+        self._live, self._queue = False, []
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def _drop_backup(self, why: str, ident: int | None = None) -> None:
+        """Go on without the backup (`ident`: only if still that connection): out of the in-sync set first (its
+        acknowledgements were promised), then acknowledgements stop waiting for it."""
+        with self._cond:
+            if ident is not None and ident != self._backup_id:
+                return
+            self._drop_backup_locked(why)
+        cfg = self.config_seen
+        if cfg is not None and self.other in cfg.in_sync:
+            log.warning("shard %d copy %d: going on without the backup: %s", *self._who(), why)
+            if not self._change(lambda c: c.but(in_sync=(self.copy,)), f"the backup is out of sync ({why})"):
+                return
+            self.shard.metrics.backup_lost.inc()
+            self.shard.metrics.backup_in_sync.set(0)
+        with self._cond:
+            self._need_acks = False
+            self._failed = ""
+            self._cond.notify_all()
+
+    def _change(self, edit: object, why: str) -> bool:
+        """Apply `edit` to the configuration as this primary, by compare-and-swap, until it lands; False (and
+        deposed) when another copy became primary; retries while the coordinator is unreachable."""
+        while not self._stop.is_set():
+            try:
+                cfg = self.register.read()
+                if cfg is None or cfg.primary != self.copy or cfg.epoch != (self.config_seen or cfg).epoch:
+                    self._depose(cfg)
+                    return False
+                stored = self.register.swap(cfg, edit(cfg))  # type: ignore[operator]
+            except CoordinatorUnavailable as exc:
+                log.warning("shard %d copy %d: cannot reach the coordinator (%s) to record: %s", *self._who(), exc, why)
+                time.sleep(min(1.0, self.timeout))
+                continue
+            if stored is not None:
+                self.config_seen = stored
+                log.info("shard %d copy %d: %s: in sync %s", *self._who(), why, list(stored.in_sync))
+                return True
+        return False
+
+    def _depose(self, cfg: PartConfig | None) -> None:
+        log.error(
+            "shard %d copy %d: deposed: copy %s is primary now (epoch %s); exiting to come back as the backup",
+            *self._who(),
+            cfg.primary if cfg else None,
+            cfg.epoch if cfg else None,
+        )
+        self.shard.set_standby(f"shard {self.shard.index} copy {self.copy} was deposed: its other copy is primary")
+        self.shard.metrics.primary.set(0)
+        self._set_ready(False)
+        self.deposed.set()
+        with self._cond:
+            self._drop_backup_locked("deposed")
+            self._cond.notify_all()
+
+    # -- backup ----------------------------------------------------------------------------------------------------
+
+    def _set_ready(self, ready: bool) -> None:
+        if ready != self.ready:
+            self.ready = ready
+            self._on_ready(ready)
+
+    def _become_backup(self) -> None:
+        self.shard.metrics.primary.set(0)
+        self._set_ready(False)
+        self.shard.set_standby(
+            f"shard {self.shard.index} copy {self.copy} is the backup; its other copy is the primary"
+        )
+        self._thread(self._follow, "replication-follow")
+
+    def _follow(self) -> None:
+        """Follow the primary; take over when it falls silent while this copy is in sync."""
+        while not self._stop.is_set():
+            try:
+                cfg = self.register.read()
+            except CoordinatorUnavailable as exc:
+                log.warning("shard %d copy %d: the coordinator is unreachable (%s)", *self._who(), exc)
+                time.sleep(min(1.0, self.timeout))
+                continue
+            if cfg is None:
+                time.sleep(self.timeout)
+                continue
+            self.config_seen = cfg
+            if cfg.primary == self.copy:  # it handed over to this copy (a restarted primary with nothing)
+                if self._take_over(cfg):
+                    return
+                continue
+            why = self._stream(cfg)
+            if self._stop.is_set():
+                return
+            level = logging.DEBUG if NO_MODEL in why else logging.WARNING
+            log.log(level, "shard %d copy %d: the primary's link ended: %s", *self._who(), why)
+            self._set_ready(False)
+            try:
+                now = self.register.read()
+            except CoordinatorUnavailable:
+                continue
+            if now is not None and now.primary == cfg.primary and self.copy in now.in_sync:
+                new = now.but(epoch=now.epoch + 1, primary=self.copy, in_sync=(self.copy,))
+                if self._take_over(new, now):
+                    return
+            # Not in sync, or the configuration moved: follow again (soon where the primary only waits for a model).
+            time.sleep(0.05 if NO_MODEL in why else min(0.2, self.timeout / 2))
+
+    def _take_over(self, new: PartConfig, old: PartConfig | None = None) -> bool:
+        try:
+            stored = self.register.swap(old, new) if old is not None else new
+        except CoordinatorUnavailable:
+            return False
+        if stored is None:
+            return False
+        self.config_seen = stored
+        self.took_over_at = time.monotonic()
+        self.shard.metrics.takeovers.inc()
+        log.warning("shard %d copy %d: took over as primary (epoch %d)", *self._who(), stored.epoch)
+        self._become_primary()
+        return True
+
+    def _stream(self, cfg: PartConfig) -> str:
+        """Connect to the primary, take its state and its updates until the link ends; return why it ended."""
+        address = cfg.links.get(cfg.primary)
+        if not address:
+            return "the primary has not said where it listens"
+        host, port = address.rsplit(":", 1)
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=max(1.0, self.timeout))
+        except OSError as exc:
+            return f"cannot connect to {address}: {exc}"
+        try:
+            keep_alive(sock)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._client_tls is not None:
+                sock = self._client_tls.wrap_socket(sock)
+            hello = {
+                "job": self.config.job_name,
+                "shard": self.shard.index,
+                "copy": self.copy,
+                "epoch": cfg.epoch,
+                "token": self._token,
+            }
+            _send_message(sock, json.dumps(hello).encode())
+            answer = json.loads(_recv_message(sock, MAX_HELLO))
+            if "error" in answer:
+                return f"the primary refused: {answer['error']}"
+            sock.settimeout(self.timeout)  # silence longer than this: the primary is gone
+            while not self._stop.is_set():
+                kind = bytes(_recv_exact(sock, 1))
+                if kind == SNAPSHOT:
+                    self._receive_state(sock)
+                elif kind == RECORD:
+                    self._receive_record(sock)
+                elif kind == HEARTBEAT:
+                    version, finished, in_sync = _BEAT.unpack(_recv_exact(sock, _BEAT.size))
+                    self.shard.finished_workers = max(self.shard.finished_workers, finished)
+                    self._set_ready(bool(in_sync))
+                else:
+                    return f"an unknown message {kind!r}"
+                sock.sendall(_U64.pack(self.shard.version))
+            return "stopping"
+        except (OSError, ConnectionError, ValueError, struct.error) as exc:
+            return str(exc) or type(exc).__name__
+        finally:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _receive_state(self, sock: socket.socket) -> None:
+        (size,) = _U64.unpack(_recv_exact(sock, _U64.size))
+        directory = self.config.checkpoint_dir
+        tmp = Path(tempfile.mkdtemp(prefix="ps-replica-", dir=directory or None))
+        try:
+            path = tmp / "state.safetensors"
+            with open(path, "wb") as f:
+                buf = memoryview(bytearray(4 << 20))
+                left = size
+                while left:
+                    k = sock.recv_into(buf[: min(left, len(buf))])
+                    if not k:
+                        raise ConnectionError("the primary closed the link while sending its state")
+                    f.write(buf[:k])
+                    left -= k
+            snap = checkpoint.load(path)  # its checksum verified
+            if directory:  # the state is this copy's newest checkpoint; any other history here is void
+                for old in checkpoint.list_checkpoints(directory, self.shard.index):
+                    old.unlink(missing_ok=True)
+                os.replace(path, checkpoint.path_for(Path(directory), self.shard.index, snap.version))
+            self.shard.install(snap)
+        except checkpoint.CorruptCheckpoint as exc:
+            raise ValueError(f"the primary's state did not verify: {exc}") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("shard %d copy %d: took the primary's state at version %d", *self._who(), self.shard.version)
+
+    def _receive_record(self, sock: socket.socket) -> None:
+        head = bytes(_recv_exact(sock, wal.HEAD_BYTES))
+        header = bytes(_recv_exact(sock, wal.header_size(head)))
+        rest = wal.body_size(head, header)
+        buf = bytearray(len(head) + len(header) + rest)
+        view = memoryview(buf)
+        view[: len(head)] = head
+        view[len(head) : len(head) + len(header)] = header
+        _recv_exact(sock, rest, view[len(head) + len(header) :])
+        found = wal.decode(view)
+        if found is None:
+            raise ValueError("an update from the primary does not decode")
+        self.shard.apply_record(found[0], [view])
