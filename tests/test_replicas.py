@@ -120,7 +120,7 @@ def test_a_killed_primary_loses_nothing(
 ) -> None:
     """SIGKILL the primary mid-training: its backup takes over, nothing acknowledged is lost or applied twice,
     and the restarted process catches up as the backup; then the new primary is killed too."""
-    cluster = ps_cluster_factory(_exact_config(ps_etcd, mode), 1, processes=True)
+    cluster = ps_cluster_factory(_exact_config(ps_etcd, mode).replace(exit_when_done=True), 1, processes=True)
     model = torch.nn.Linear(64, 32)
     start = [p.detach().clone() for p in model.parameters()]
     pushes = 0
@@ -140,6 +140,9 @@ def test_a_killed_primary_loses_nothing(
             assert _register(ps_etcd, 0).read().primary == 1 - primary  # type: ignore[union-attr]
         _moved_exactly(client, model, start, pushes)
         assert client.versions == [pushes]
+        client.leave(finished=True)
+    # The job is done: the primary stops, and tells its backup, which stops too instead of taking over.
+    assert [p.wait(timeout=30) for p in cluster.procs] == [0, 0]
 
 
 def test_a_silent_primary_is_deposed_and_exits(ps_etcd: str, ps_cluster_factory: Callable[..., LocalCluster]) -> None:

@@ -11,7 +11,8 @@ is on both copies. Messages, primary to backup:
 
     b"S" u64 n, n bytes   the whole state (a checkpoint file) a backup starts from
     b"R" record           one update, as the write-ahead log writes it
-    b"H" u64 version, u32 finished workers, u8 in sync   a heartbeat, every replica_timeout / 4
+    b"H" u64 version, u32 finished workers, u8 flags   a heartbeat, every replica_timeout / 4 (flags: 1 the
+                          backup is in sync, 2 the job is done: a primary stopping because of it says so last)
 
 and backup to primary a u64 version for every one of those. The backup opens the connection with a JSON hello
 (job, shard, copy, the epoch it read, the bearer token when the job has one).
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 SNAPSHOT, RECORD, HEARTBEAT = b"S", b"R", b"H"
 _U64 = struct.Struct("<Q")
 _BEAT = struct.Struct("<QIB")
+IN_SYNC, DONE = 1, 2
 MAX_HELLO = 4096
 MAX_QUEUED_BYTES = 1 << 30  # updates held for a backup taking the state before it is dropped (and tries again)
 MIN_BYTES_PER_S = 20 << 20  # the slowest link (and apply) a large update is given time for before the copy is dropped
@@ -196,7 +198,10 @@ class Replication:
         return role
 
     def stop(self) -> None:
-        """Close the link and the listener; the threads end."""
+        """Close the link and the listener; the threads end. A primary whose job is done tells its backup first,
+        which then stops too instead of taking over."""
+        if self.shard.done.is_set():
+            self._heartbeat()
         self._stop.set()
         with self._cond:
             self._drop_backup_locked("stopping")
@@ -354,6 +359,7 @@ class Replication:
                     return
                 if not self._queue:
                     self._live = True
+                    self._heard = time.monotonic()
                     self._need_acks = True  # from now on an acknowledgement waits for the backup
                     self._sent = max(self._sent, self.shard.version)
                     return
@@ -392,7 +398,8 @@ class Replication:
                 failed, live, acked, sent, ident = self._failed, self._live, self._acked, self._sent, self._backup_id
                 silent = time.monotonic() - self._heard
                 slack = self.timeout + self._unacked_bytes / MIN_BYTES_PER_S
-                if self._backup is not None and not failed and silent > slack:
+                # Judged once live: while it takes the whole state, the send's own deadline judges the backup.
+                if self._backup is not None and self._live and not failed and silent > slack:
                     failed = self._failed = f"no answer for {silent:.2f} s"
             if failed:
                 self._drop_backup(failed, ident)
@@ -413,8 +420,9 @@ class Replication:
             try:
                 sock.settimeout(self.timeout)
                 cfg = self.config_seen
-                in_sync = int(cfg is not None and self.other in cfg.in_sync)
-                sock.sendall(HEARTBEAT + _BEAT.pack(self.shard.version, self.shard.finished_workers, in_sync))
+                flags = IN_SYNC if cfg is not None and self.other in cfg.in_sync else 0
+                flags |= DONE if self.shard.done.is_set() else 0
+                sock.sendall(HEARTBEAT + _BEAT.pack(self.shard.version, self.shard.finished_workers, flags))
             except OSError as exc:
                 self._failed = f"a heartbeat failed: {exc}"
                 self._cond.notify_all()
@@ -515,7 +523,7 @@ class Replication:
                     return
                 continue
             why = self._stream(cfg)
-            if self._stop.is_set():
+            if self._stop.is_set() or self.shard.done.is_set():
                 return
             level = logging.DEBUG if NO_MODEL in why else logging.WARNING
             log.log(level, "shard %d copy %d: the primary's link ended: %s", *self._who(), why)
@@ -571,17 +579,22 @@ class Replication:
             answer = json.loads(_recv_message(sock, MAX_HELLO))
             if "error" in answer:
                 return f"the primary refused: {answer['error']}"
-            sock.settimeout(self.timeout)  # silence longer than this: the primary is gone
+            # The whole state comes first, once the primary has written it out: give that time (it judges the
+            # transfer by the bytes flowing); after it, silence longer than replica_timeout means the primary is gone.
+            sock.settimeout(max(30.0, self.timeout))
             while not self._stop.is_set():
                 kind = bytes(_recv_exact(sock, 1))
                 if kind == SNAPSHOT:
                     self._receive_state(sock)
+                    sock.settimeout(self.timeout)
                 elif kind == RECORD:
                     self._receive_record(sock)
                 elif kind == HEARTBEAT:
-                    version, finished, in_sync = _BEAT.unpack(_recv_exact(sock, _BEAT.size))
+                    version, finished, flags = _BEAT.unpack(_recv_exact(sock, _BEAT.size))
                     self.shard.finished_workers = max(self.shard.finished_workers, finished)
-                    self._set_ready(bool(in_sync))
+                    self._set_ready(bool(flags & IN_SYNC))
+                    if flags & DONE:
+                        self.shard.done.set()  # with --exit-when-done this copy stops too
                 else:
                     return f"an unknown message {kind!r}"
                 sock.sendall(_U64.pack(self.shard.version))
