@@ -781,8 +781,15 @@ def test_checkpoints_and_results_land_on_the_shared_volume(rendered: Rendered) -
         assert not volume["readOnly"]
         claim = rendered.named("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
         assert "ReadWriteMany" in claim["spec"]["accessModes"], "shards on different nodes share the directory"
-        checkpoint_dirs.add(server.checkpoint_dir)
-    # Checkpoint and log files are named by part, not by copy: the two copies of a part keep them apart.
+        from paramserver.config import ServerConfig
+        from paramserver.server.replica import copy_dir
+
+        # Where this process writes: with --replicas 2 the server keeps each copy under copy-R of the directory.
+        config = ServerConfig(
+            replicas=server.replicas, coordinator=server.coordinator, checkpoint_dir=server.checkpoint_dir
+        )
+        checkpoint_dirs.add(copy_dir(config, server.replica_index).checkpoint_dir)
+    # Checkpoint and log files are named by shard, not by copy: the two copies of a shard keep them apart.
     assert len(checkpoint_dirs) == replicas(rendered), f"one checkpoint directory per copy: {checkpoint_dirs}"
     worker_container, worker = resolved(rendered, WORKER)
     for path in (worker.metrics_out, worker.save_model):
