@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -116,11 +117,15 @@ def test_both_copies_hold_the_same_state_and_the_backup_refuses_workers(
 
 @pytest.mark.parametrize(("mode", "shared_memory"), [("sync", False)])  # async and shared memory: make stress
 def test_a_killed_primary_loses_nothing(
-    ps_etcd: str, ps_cluster_factory: Callable[..., LocalCluster], mode: str, shared_memory: bool
+    ps_etcd: str, ps_cluster_factory: Callable[..., LocalCluster], mode: str, shared_memory: bool, tmp_path: Path
 ) -> None:
     """SIGKILL the primary mid-training: its backup takes over, nothing acknowledged is lost or applied twice,
-    and the restarted process catches up as the backup; then the new primary is killed too."""
-    cluster = ps_cluster_factory(_exact_config(ps_etcd, mode).replace(exit_when_done=True), 1, processes=True)
+    and the restarted process catches up as the backup; then the new primary is killed too. Each copy also keeps
+    its own log and checkpoints (copy-R under the directory), the backup's starting from the state it took."""
+    config = _exact_config(ps_etcd, mode).replace(
+        exit_when_done=True, checkpoint_dir=str(tmp_path), checkpoint_every="7"
+    )
+    cluster = ps_cluster_factory(config, 1, processes=True)
     model = torch.nn.Linear(64, 32)
     start = [p.detach().clone() for p in model.parameters()]
     pushes = 0
@@ -143,6 +148,8 @@ def test_a_killed_primary_loses_nothing(
         client.leave(finished=True)
     # The job is done: the primary stops, and tells its backup, which stops too instead of taking over.
     assert [p.wait(timeout=30) for p in cluster.procs] == [0, 0]
+    for copy in (0, 1):
+        assert list((tmp_path / f"copy-{copy}").glob("shard-000-v*")), f"copy {copy} wrote no checkpoint"
 
 
 def test_a_silent_primary_is_deposed_and_exits(ps_etcd: str, ps_cluster_factory: Callable[..., LocalCluster]) -> None:

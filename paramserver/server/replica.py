@@ -181,7 +181,9 @@ class Replication:
         links = {**cfg.links, me: self.link}
         if cfg.primary == me:
             others = [r for r in cfg.in_sync if r != me]
-            if not others:  # the only copy with everything: go on from its own disk
+            if not others or self.config.checkpoint_dir:
+                # The only copy with everything, or one whose own log holds every update it acknowledged (each was
+                # logged before it was sent): go on from its own disk; the other copy takes the state anew.
                 return self._commit(cfg, cfg.but(epoch=cfg.epoch + 1, in_sync=(me,), links=links), "primary")
             # This process restarted with nothing in memory while its backup holds every acknowledged update.
             new = cfg.but(epoch=cfg.epoch + 1, primary=others[0], in_sync=tuple(others), links=links)
@@ -608,6 +610,8 @@ class Replication:
     def _receive_state(self, sock: socket.socket) -> None:
         (size,) = _U64.unpack(_recv_exact(sock, _U64.size))
         directory = self.config.checkpoint_dir
+        if directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix="ps-replica-", dir=directory or None))
         try:
             path = tmp / "state.safetensors"
