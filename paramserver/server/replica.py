@@ -48,6 +48,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
+
 from paramserver.config import ServerConfig
 from paramserver.coord import CoordinatorUnavailable, Etcd, PartConfig, PartRegister
 from paramserver.errors import NotPrimary
@@ -147,6 +149,8 @@ class Replication:
         self._unacked_bytes = 0
         self._failed = ""  # why the backup link broke ("" while it holds)
         self.took_over_at: float | None = None  # monotonic time this copy became primary after its rival
+        self._rx = memoryview(b"")  # the backup's receive buffer for updates
+        self._damaged = False  # a backup that answered for an update it could not apply
 
     # -- start and stop ------------------------------------------------------------------------------------------
 
@@ -534,7 +538,7 @@ class Replication:
                 now = self.register.read()
             except CoordinatorUnavailable:
                 continue
-            if now is not None and now.primary == cfg.primary and self.copy in now.in_sync:
+            if now is not None and now.primary == cfg.primary and self.copy in now.in_sync and not self._damaged:
                 new = now.but(epoch=now.epoch + 1, primary=self.copy, in_sync=(self.copy,))
                 if self._take_over(new, now):
                     return
@@ -591,6 +595,7 @@ class Replication:
                     sock.settimeout(self.timeout)
                 elif kind == RECORD:
                     self._receive_record(sock)
+                    continue  # answered as soon as it arrived whole, before it applied
                 elif kind == HEARTBEAT:
                     version, finished, flags = _BEAT.unpack(_recv_exact(sock, _BEAT.size))
                     self.shard.finished_workers = max(self.shard.finished_workers, finished)
@@ -630,6 +635,7 @@ class Replication:
                     old.unlink(missing_ok=True)
                 os.replace(path, checkpoint.path_for(Path(directory), self.shard.index, snap.version))
             self.shard.install(snap)
+            self._damaged = False
         except checkpoint.CorruptCheckpoint as exc:
             raise ValueError(f"the primary's state did not verify: {exc}") from None
         finally:
@@ -637,15 +643,26 @@ class Replication:
         log.info("shard %d copy %d: took the primary's state at version %d", *self._who(), self.shard.version)
 
     def _receive_record(self, sock: socket.socket) -> None:
+        """Take one update whole, answer for it, then log and apply it. The answer comes before the apply (the
+        apply of the next update's transfer overlap): this copy holds the update from then on, and applies every
+        update it answered for before it could ever take over, in this same thread."""
         head = bytes(_recv_exact(sock, wal.HEAD_BYTES))
         header = bytes(_recv_exact(sock, wal.header_size(head)))
         rest = wal.body_size(head, header)
-        buf = bytearray(len(head) + len(header) + rest)
-        view = memoryview(buf)
+        size = len(head) + len(header) + rest
+        if len(self._rx) < size:  # one buffer, reused: an update is applied (and logged) before the next arrives
+            self._rx = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+        view = self._rx[:size]
         view[: len(head)] = head
         view[len(head) : len(head) + len(header)] = header
         _recv_exact(sock, rest, view[len(head) + len(header) :])
         found = wal.decode(view)
         if found is None:
             raise ValueError("an update from the primary does not decode")
-        self.shard.apply_record(found[0], [view])
+        sock.sendall(_U64.pack(found[0].version))
+        try:
+            self.shard.apply_record(found[0], [view])
+        except ValueError as exc:
+            # Answered but not applied: this copy must not take over; it takes the whole state again.
+            self._damaged = True
+            raise ValueError(f"an update from the primary does not apply here: {exc}") from None
