@@ -651,7 +651,7 @@ class Replication:
         rest = wal.body_size(head, header)
         size = len(head) + len(header) + rest
         if len(self._rx) < size:  # one buffer, reused: an update is applied (and logged) before the next arrives
-            self._rx = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+            self._rx = np.empty(size, dtype=np.uint8).data.cast("B")
         view = self._rx[:size]
         view[: len(head)] = head
         view[len(head) : len(head) + len(header)] = header
