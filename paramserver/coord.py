@@ -36,6 +36,7 @@ class PartConfig:
     primary: int
     in_sync: tuple[int, ...]
     links: dict[int, str] = field(default_factory=dict)  # copy -> its replication address (host:port)
+    done: bool = False  # the job finished (its primary stopped with --exit-when-done); a new run clears it
     revision: int = 0
 
     def to_json(self) -> dict[str, Any]:
@@ -44,6 +45,7 @@ class PartConfig:
             "primary": self.primary,
             "in_sync": list(self.in_sync),
             "links": {str(k): v for k, v in self.links.items()},
+            "done": self.done,
         }
 
     @classmethod
@@ -53,6 +55,7 @@ class PartConfig:
             primary=int(doc["primary"]),
             in_sync=tuple(int(r) for r in doc["in_sync"]),
             links={int(k): str(v) for k, v in doc.get("links", {}).items()},
+            done=bool(doc.get("done", False)),
             revision=revision,
         )
 

@@ -123,7 +123,7 @@ def test_a_killed_primary_loses_nothing(
     and the restarted process catches up as the backup; then the new primary is killed too. Each copy also keeps
     its own log and checkpoints (copy-R under the directory), the backup's starting from the state it took."""
     config = _exact_config(ps_etcd, mode).replace(
-        exit_when_done=True, checkpoint_dir=str(tmp_path), checkpoint_every="7"
+        exit_when_done=True, checkpoint_dir=str(tmp_path), checkpoint_every="7", replica_timeout=0.25
     )
     cluster = ps_cluster_factory(config, 1, processes=True)
     model = torch.nn.Linear(64, 32)
@@ -148,6 +148,11 @@ def test_a_killed_primary_loses_nothing(
         client.leave(finished=True)
     # The job is done: the primary stops, and tells its backup, which stops too instead of taking over.
     assert [p.wait(timeout=30) for p in cluster.procs] == [0, 0]
+    # The backup restarted after its job is done (a pod rescheduled late) stops on its own.
+    done = _register(ps_etcd, 0).read()
+    assert done is not None and done.done
+    cluster.restart(1 - done.primary)
+    assert cluster.procs[1 - done.primary].wait(timeout=60) == 0
     for copy in (0, 1):
         assert list((tmp_path / f"copy-{copy}").glob("shard-000-v*")), f"copy {copy} wrote no checkpoint"
 

@@ -69,6 +69,7 @@ MAX_QUEUED_BYTES = 1 << 30  # updates held for a backup taking the state before 
 MIN_BYTES_PER_S = 20 << 20  # the slowest link (and apply) a large update is given time for before the copy is dropped
 NO_MODEL = "this primary holds no model yet (no worker registered one)"
 DEPOSED_EXIT = 3  # the status a deposed primary's process exits with, to come back as the backup
+DONE_GRACE = 20  # a copy that finds its job done waits this many replica timeouts for a new run, then stops
 
 
 def copy_dir(config: ServerConfig, copy: int) -> ServerConfig:
@@ -187,8 +188,10 @@ class Replication:
             others = [r for r in cfg.in_sync if r != me]
             if not others or self.config.checkpoint_dir:
                 # The only copy with everything, or one whose own log holds every update it acknowledged (each was
-                # logged before it was sent): go on from its own disk; the other copy takes the state anew.
-                return self._commit(cfg, cfg.but(epoch=cfg.epoch + 1, in_sync=(me,), links=links), "primary")
+                # logged before it was sent): go on from its own disk; the other copy takes the state anew. (A job
+                # that was done runs again.)
+                new = cfg.but(epoch=cfg.epoch + 1, in_sync=(me,), links=links, done=False)
+                return self._commit(cfg, new, "primary")
             # This process restarted with nothing in memory while its backup holds every acknowledged update.
             new = cfg.but(epoch=cfg.epoch + 1, primary=others[0], in_sync=tuple(others), links=links)
             return self._commit(cfg, new, "") or ""
@@ -205,9 +208,13 @@ class Replication:
 
     def stop(self) -> None:
         """Close the link and the listener; the threads end. A primary whose job is done tells its backup first,
-        which then stops too instead of taking over."""
-        if self.shard.done.is_set():
+        which then stops too instead of taking over, and the coordinator, for a copy that starts again later."""
+        if self.shard.done.is_set() and self.shard.replicator is self and not self.deposed.is_set():
             self._heartbeat()
+            with contextlib.suppress(CoordinatorUnavailable):
+                cfg = self.register.read()
+                if cfg is not None and cfg.primary == self.copy and not cfg.done:
+                    self.register.swap(cfg, cfg.but(done=True))
         self._stop.set()
         with self._cond:
             self._drop_backup_locked("stopping")
@@ -512,7 +519,10 @@ class Replication:
         self._thread(self._follow, "replication-follow")
 
     def _follow(self) -> None:
-        """Follow the primary; take over when it falls silent while this copy is in sync."""
+        """Follow the primary; take over when it falls silent while this copy is in sync. A copy that started
+        after its job was done (and its primary gone) stops after DONE_GRACE replica timeouts, unless a new run
+        begins."""
+        done_since: float | None = None
         while not self._stop.is_set():
             try:
                 cfg = self.register.read()
@@ -524,6 +534,11 @@ class Replication:
                 time.sleep(self.timeout)
                 continue
             self.config_seen = cfg
+            done_since = (done_since or time.monotonic()) if cfg.done else None
+            if done_since is not None and time.monotonic() - done_since > DONE_GRACE * self.timeout:
+                log.info("shard %d copy %d: the job is done and its primary gone", *self._who())
+                self.shard.done.set()  # with --exit-when-done the process stops
+                return
             if cfg.primary == self.copy:  # it handed over to this copy (a restarted primary with nothing)
                 if self._take_over(cfg):
                     return
