@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from paramserver import modes
 from paramserver.shard import buffers as buffer_rules
-from paramserver.shard import optimizers
+from paramserver.shard import optimizers, schedules
 
 C = TypeVar("C")
 
@@ -80,6 +80,19 @@ class ServerConfig:
     )
     optimizer: str = config_field("adam", "server-side optimizer (torch.optim, fused kernel)", choices=optimizers.NAMES)
     lr: float = config_field(1e-3, "learning rate")
+    lr_schedule: str = config_field(
+        "constant",
+        "the learning rate by version, as torch.optim.lr_scheduler computes it: constant, step (x --gamma every "
+        "--step-every versions), cosine or linear (down to --min-lr over --decay-versions); after a --warmup-versions "
+        "linear warmup",
+        choices=schedules.NAMES,
+    )
+    warmup_versions: int = config_field(0, "versions of linear warmup before the schedule (torch's LinearLR)")
+    warmup_start_factor: float = config_field(0.1, "the warmup's first rate, as a fraction of --lr")
+    decay_versions: int = config_field(0, "cosine and linear: versions from the end of the warmup to --min-lr")
+    min_lr: float = config_field(0.0, "cosine and linear: the rate they end at (then hold)")
+    step_every: int = config_field(0, "step: versions between two multiplications of the rate by --gamma")
+    gamma: float = config_field(0.1, "step: the factor the rate is multiplied by every --step-every versions")
     momentum: float = config_field(0.9, "momentum of the 'momentum' optimizer")
     weight_decay: float = config_field(0.0, "weight decay (decoupled for adamw)")
     buffers: str = config_field(
@@ -228,6 +241,7 @@ class ServerConfig:
             raise ValueError(f"max_table_bytes must be positive, not {self.max_table_bytes}")
         if self.wal_sync not in ("write", "fsync"):
             raise ValueError(f"wal_sync must be write or fsync, not {self.wal_sync!r}")
+        schedules.check(self)  # ValueError naming what a schedule lacks
         if self.replicas not in (1, 2):
             raise ValueError(f"replicas must be 1 or 2, not {self.replicas}")
         if self.replicas > 1 and not self.coordinator:
@@ -264,6 +278,10 @@ class ServerConfig:
                 f"checkpoint_every must be a number of versions ('100') or seconds ('30s'), "
                 f"not {self.checkpoint_every!r}"
             ) from None
+
+    def lr_at(self, version: int) -> float:
+        """The learning rate of the update that makes `version` (see paramserver.shard.schedules)."""
+        return schedules.lr_at(self, version)
 
     def replace(self, **changes: Any) -> ServerConfig:
         """Return a copy with some fields changed."""

@@ -85,7 +85,10 @@ def test_the_configuration_changes_only_by_compare_and_swap(ps_etcd: str) -> Non
 def test_both_copies_hold_the_same_state_and_the_backup_refuses_workers(
     ps_etcd: str, ps_cluster_factory: Callable[..., LocalCluster]
 ) -> None:
-    config = ServerConfig(mode="async", workers=1, optimizer="adam", lr=0.01, replicas=2, coordinator=ps_etcd)
+    config = ServerConfig(
+        mode="async", workers=1, optimizer="adam", lr=0.01, replicas=2, coordinator=ps_etcd,
+        lr_schedule="cosine", warmup_versions=3, decay_versions=10,
+    )  # fmt: skip
     cluster = ps_cluster_factory(config, 2)
     assert len(cluster.servers) == 4 and len(cluster.addresses) == 4
     model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5))

@@ -47,8 +47,12 @@ class ShardModel:
     def numel(self) -> int:
         return int(self.params.numel())
 
-    def step(self, grad: torch.Tensor) -> None:
-        """Apply one update with a flat gradient: the optimizer on the parameters, the buffer rule on the buffers."""
+    def step(self, grad: torch.Tensor, lr: float | None = None) -> None:
+        """Apply one update with a flat gradient: the optimizer on the parameters (at rate `lr` when given: the
+        job's schedule), the buffer rule on the buffers."""
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         self.buffers.step(self.params, grad, self.optimizer)
 
     def views(self, flat: np.ndarray) -> list[np.ndarray]:

@@ -205,7 +205,8 @@ def apply_logged(shard: Shard, model: ShardModel, rec: wal.Record) -> bool:
             model.numel,
         )
         return False
-    model.step(torch.from_numpy(rec.grad if rec.grad.flags.writeable else rec.grad.copy()))
+    grad = torch.from_numpy(rec.grad if rec.grad.flags.writeable else rec.grad.copy())
+    model.step(grad, shard.config.lr_at(rec.version))  # the rate it applied at: the schedule is one of versions
     if model.tables:
         rows = [RowBlock(b.table, b.ids.copy(), None if b.values is None else b.values.copy()) for b in rec.rows]
         model.tables.apply(rows, rec.version, rec.wall)

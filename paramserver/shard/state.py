@@ -361,7 +361,7 @@ class Shard:
             if self.replicator is not None:
                 self.replicator.send(version, parts)
         self._round_pushes = []
-        model.step(grad)
+        model.step(grad, self.config.lr_at(version))
         if model.tables:
             model.tables.apply(rows, version, wall)
         self.version = version
