@@ -70,6 +70,16 @@ class TrainConfig:
         "auto: for shards reached over a network, not for a loopback address (copies, not a link, are the limit)",
         choices=("auto", "on", "off"),
     )
+    clip_grad_norm: float | None = config_field(
+        None,
+        "clip the gradient to this global norm before each push (torch.nn.utils.clip_grad_norm_ over the whole "
+        "model: every shard's part scaled by the same factor); default: no clipping",
+    )
+    accumulate: int = config_field(
+        1,
+        "split each batch into this many micro-batches, one forward/backward each, their gradients summed into "
+        "the batch's before the push (the same gradient as the whole batch, in a fraction of the activation memory)",
+    )
     overlap: bool = config_field(
         False,
         "async and ssp jobs: send each step's gradient and receive the next weights while the next step computes, "
@@ -112,6 +122,10 @@ class TrainConfig:
             raise ValueError(f"batch-size must be at least 1, not {self.batch_size}")
         if self.round_timeout <= 0:
             raise ValueError(f"round-timeout must be positive, not {self.round_timeout}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(f"clip-grad-norm must be positive, not {self.clip_grad_norm}")
+        if not 1 <= self.accumulate <= self.batch_size:
+            raise ValueError(f"accumulate must be in [1, batch-size], not {self.accumulate}")
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -203,6 +217,28 @@ def _overlap(
     return Overlap(model, exchange)
 
 
+def compute_gradients(
+    model: torch.nn.Module,
+    xb: torch.Tensor,
+    yb: torch.Tensor,
+    accumulate: int = 1,
+    clip_grad_norm: float | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+) -> float:
+    """Leave the gradient of the batch's mean loss on the model's parameters, computed over `accumulate`
+    micro-batches (each loss weighted by its share of the batch, so the sum is the whole batch's gradient), then
+    clipped to `clip_grad_norm` over the whole model as torch.nn.utils.clip_grad_norm_ does; return the loss."""
+    model.zero_grad(set_to_none=False)
+    total = 0.0
+    for xm, ym in zip(torch.chunk(xb, accumulate), torch.chunk(yb, accumulate), strict=True):
+        loss = loss_fn(model(xm), ym) * (len(xm) / len(xb))
+        loss.backward()
+        total += loss.item()
+    if clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+    return total
+
+
 def train(
     config: TrainConfig, dataset: Dataset | None = None, on_step: Callable[[int, float], None] | None = None
 ) -> dict[str, Any]:
@@ -280,13 +316,10 @@ def train(
                     if step >= total:
                         break
                     xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
-                    model.zero_grad(set_to_none=False)
-                    loss = F.cross_entropy(model(xb), yb)
-                    loss.backward()
+                    loss_value = compute_gradients(model, xb, yb, config.accumulate, config.clip_grad_norm)
                     stale += exchange(model) if overlap is None else bool(overlap.step())
                     step += 1
                     samples += len(xb)
-                    loss_value = loss.item()
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)

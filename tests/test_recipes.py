@@ -1,0 +1,75 @@
+"""Worker-side training recipes: gradient accumulation over micro-batches and global-norm clipping before the
+push, against torch computing the same on the whole batch and the whole model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from paramserver.config import ServerConfig
+from paramserver.server.cluster import LocalCluster
+from worker import PSClient
+from worker.trainer import TrainConfig, compute_gradients, train
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_micro_batches_sum_to_the_whole_batchs_gradient() -> None:
+    x, y = torch.randn(30, 10), torch.randint(0, 4, (30,))  # 4 micro-batches of unequal sizes (8, 8, 8, 6)
+    model = _model()
+    whole = compute_gradients(model, x, y)
+    expected = _grads(model)
+    accumulated = compute_gradients(model, x, y, accumulate=4)
+    assert accumulated == pytest.approx(whole, rel=1e-5)
+    for got, want in zip(_grads(model), expected, strict=True):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_clipping_scales_the_whole_model_as_torch_does() -> None:
+    x, y = torch.randn(16, 10), torch.randint(0, 4, (16,))
+    model = _model()
+    compute_gradients(model, x, y)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    expected = _grads(model)
+    compute_gradients(model, x, y, clip_grad_norm=0.05)
+    got = _grads(model)
+    for g, e in zip(got, expected, strict=True):
+        assert torch.allclose(g, e, atol=1e-7)
+    assert float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in got]))) == pytest.approx(0.05, rel=1e-4)
+
+
+def test_a_clipped_accumulated_push_is_what_the_shards_apply(ps_cluster_factory: Callable[..., LocalCluster]) -> None:
+    """Over two shards (each holds part of the model) the clip factor is the whole model's: plain SGD with lr 1
+    moves every weight by exactly minus the clipped gradient."""
+    cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=1.0), 2)
+    model = _model()
+    x, y = torch.randn(24, 10), torch.randint(0, 4, (24,))
+    with PSClient(cluster.address) as client:
+        client.register(model)
+        before = [p.detach().clone() for p in model.parameters()]
+        compute_gradients(model, x, y, accumulate=3, clip_grad_norm=0.1)
+        clipped = _grads(model)
+        client.push_pull(model)
+    for p, b, g in zip(model.parameters(), before, clipped, strict=True):
+        assert torch.allclose(p.detach(), b - g, atol=1e-6)
+
+
+def test_train_with_both_recipes(ps_cluster_factory: Callable[..., LocalCluster]) -> None:
+    cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=1, optimizer="adam", lr=0.01), 2)
+    metrics = train(
+        TrainConfig(server=cluster.address, model="logreg", steps=4, accumulate=4, clip_grad_norm=1.0, progress=False)
+    )
+    assert metrics["steps"] == 4 and metrics["config"]["accumulate"] == 4
+    with pytest.raises(ValueError, match="accumulate"):
+        TrainConfig(server="x:1", accumulate=0)
+    with pytest.raises(ValueError, match="clip-grad-norm"):
+        TrainConfig(server="x:1", clip_grad_norm=-1.0)
