@@ -22,6 +22,9 @@ class PSError(Exception):
     """Base of every error the parameter server reports."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    # False for an error a client made of a status no shard named (gRPC's own: a deadline that ran out on a call
+    # nothing answered, a connection that failed): the shard may never have seen the call.
+    named_by_server: bool = True
 
 
 class InvalidArgument(PSError):
@@ -209,6 +212,7 @@ def from_status(code: grpc.StatusCode, detail: str, named: str | None = None, sh
         return RemoteError(f"{where}{code.name}: {detail}", code)
     out = kind(f"{where}{detail}")
     out.code = code
+    out.named_by_server = named is not None
     return out
 
 

@@ -351,10 +351,13 @@ class Replication:
         return ""
 
     def _send_state(self, conn: socket.socket, ident: int) -> None:
-        with self.shard.lock:
+        with self.shard.lock, self._cond:
             if self.shard.model is None:
                 raise ValueError("this primary holds no model yet (no worker registered one)")
             snap = self.shard.snapshot()
+            # What was queued before this moment is in the state; what is queued from now on follows it.
+            self._queue, self._queued_bytes = [], 0
+            base = snap.version
         with tempfile.TemporaryDirectory(prefix="ps-replica-") as tmp:
             path = Path(tmp) / "state.safetensors"
             checkpoint.save_as(path, snap, durable=False)
@@ -378,6 +381,8 @@ class Replication:
                     return
                 batch, self._queue = self._queue, []
             for version, data in batch:
+                if version <= base:
+                    continue
                 conn.settimeout(self.timeout + len(data) / MIN_BYTES_PER_S)
                 conn.sendall(RECORD + data)
                 with self._cond:

@@ -34,10 +34,17 @@ SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     """Server options: gRPC's own receive cap sits well above max_message_bytes, which the servicer enforces
     itself on client streams (so an oversized chunk is refused before anything is applied, see ClientStream)."""
-    return [
+    options = [
         ("grpc.max_receive_message_length", max(64 << 20, 2 * config.max_message_bytes)),
         ("grpc.max_send_message_length", config.max_message_bytes),
     ]
+    if config.replicas > 1:  # workers ping a copy every second to notice one that went silent (psclient)
+        options += [
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_ping_strikes", 0),
+        ]
+    return options
 
 
 class BindError(OSError):

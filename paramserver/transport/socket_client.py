@@ -84,6 +84,7 @@ class FrameClient:
         timeout: float = 10.0,
         tls: ssl.SSLContext | None = None,
         server_hostname: str | None = None,
+        fast_keepalive: bool = False,
     ) -> None:
         self.shard = shard
         if isinstance(address, str):
@@ -92,7 +93,7 @@ class FrameClient:
         else:
             self._sock = socket.socket(socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0][0], socket.SOCK_STREAM)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            keep_alive(self._sock)
+            keep_alive(self._sock, fast_keepalive)  # fast: a copy of a replicated shard (see tcp.FAST_KEEPALIVE)
             connect = lambda: self._sock.connect(address)  # noqa: E731
         try:
             self._sock.settimeout(timeout)

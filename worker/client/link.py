@@ -28,6 +28,7 @@ from paramserver.errors import (
     NotAttached,
     NotInitialized,
     PSError,
+    PullTimeout,
     SharedMemoryUnavailable,
     UnknownWorker,
     from_rpc_error,
@@ -328,7 +329,15 @@ class ShardLink:
             return None
         where = (split_host(self.address), int(reply.data_port))
         try:
-            bell = FrameClient(where, req, self.address, min(s.timeout, CONNECT_S), s.tls, s.tls_server_name)
+            bell = FrameClient(
+                where,
+                req,
+                self.address,
+                min(s.timeout, CONNECT_S),
+                s.tls,
+                s.tls_server_name,
+                fast_keepalive=len(self.copies) > 1,
+            )
         except (OSError, ConnectionError, PSError) as exc:
             fallback = self._fall_back()
             if fallback.told != "unreachable":
@@ -396,7 +405,7 @@ class ShardLink:
                 log.debug("shard %s is being initialised by another worker; asking again", self.address)
                 time.sleep(init_delay)
                 init_delay = min(2 * init_delay, INIT_POLL_S)
-            elif exc.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline:
+            elif (exc.code == grpc.StatusCode.UNAVAILABLE or self._silent(exc)) and time.monotonic() + delay < deadline:
                 was = self.address
                 if self.other_copy():
                     log.info("shard %d: copy %s unavailable (%s); trying copy %s", self.index, was, exc, self.address)
@@ -422,6 +431,12 @@ class ShardLink:
                 self.drop()
             else:
                 raise exc
+
+    def _silent(self, exc: PSError) -> bool:
+        """Whether a replicated shard's copy let a call's deadline run out without a word (cut off, or stopped):
+        then the other copy may have taken over, and is tried like one that is UNAVAILABLE. A deadline the shard
+        named itself (a pull waiting for its round) is not silence."""
+        return len(self.copies) > 1 and isinstance(exc, PullTimeout) and not exc.named_by_server
 
     def close(self) -> None:
         """Drop the attachment and close the channel."""

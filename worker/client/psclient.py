@@ -65,6 +65,15 @@ _SERVICE_CONFIG = json.dumps(
     }
 )
 
+# Channel options of a worker's links to the copies of replicated shards (see PSClient): pings even while a call
+# waits for its answer, a second apart, and a second to answer each (the shards accept pings that often).
+REPLICA_KEEPALIVE: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
 # The first contact with a shard that does not answer (not started yet, or a wrong address): tried again after
 # this long, then twice as long each time up to the cap, each try logged, until PSClient's connect_timeout.
 CONNECT_RETRY_S = 1.0
@@ -234,8 +243,10 @@ class PSClient:
         copies = len(topo.replicas) // len(self.addresses) if topo.replicas else 1
         if copies > 1:
             # A shard's copy that is not its primary answers UNAVAILABLE at once: the link tries the other copy
-            # (ShardLink.retry), where the channel's own retries would keep asking the same one.
-            options = no_retries
+            # (ShardLink.retry), where the channel's own retries would keep asking the same one. HTTP/2 pings
+            # every second end a call to a copy that went silent (cut off, or its host gone) within about 2 s,
+            # as UNAVAILABLE, so the link turns to the other copy, which took over meanwhile.
+            options = no_retries + REPLICA_KEEPALIVE
 
         def connect(address: str) -> grpc.Channel:
             return open_channel(address, options, credentials, auth_token)
