@@ -47,8 +47,9 @@ bench-smoke: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/run.py $(BENCH_ARGS)
 
-## stress: SIGKILL shards and workers at random moments (async and sync, over shared memory and the data socket);
-## exact arithmetic checks that no acknowledged push is lost or applied twice (a few minutes; STRESS_ARGS=--seed N)
+## stress: SIGKILL shards and workers at random moments (async and sync, over shared memory and the data socket),
+## then primaries, backups and workers of --replicas 2 jobs (a real etcd; failover times in the table); exact
+## arithmetic checks that no acknowledged push is lost or applied twice (about 4 minutes; STRESS_ARGS=--seed N)
 stress: $(STAMP)
 	$(PY) bench/stress_kills.py $(STRESS_ARGS)
 
@@ -72,7 +73,7 @@ image-test: $(STAMP)
 ## netns-test: multi-host tests on network namespaces (root; builds and removes its own psnt<pid>-* namespaces)
 netns-test: $(STAMP)
 	@command -v nft >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y nftables; }
-	PS_MULTIHOST=1 $(PY) -m pytest tests/test_multihost.py tests/test_bench_link.py -v -s
+	PS_MULTIHOST=1 $(PY) -m pytest tests/test_multihost.py tests/test_bench_link.py tests/test_partition.py -v -s
 
 ## monitoring-test: promtool checks and unit-tests deploy/monitoring/alerts.yml; a real Prometheus scrapes a live
 ## 2-shard job (tests/test_monitoring.py). Installs Debian's prometheus package if prometheus/promtool are missing.

@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
-from types import FrameType
 from typing import Any, TypeVar
 
 import pytest
@@ -219,25 +218,8 @@ def _report(test: str, **figures: Any) -> None:
 @pytest.fixture
 def lab(tmp_path: Path) -> Iterator[Any]:
     """A fresh lab, removed after the test whatever happens (SIGTERM to pytest included)."""
-    netlab.cleanup_stale()  # what a crashed earlier run left behind
-    the_lab = netlab.Lab(prefix=f"{netlab.PREFIX_BASE}{os.getpid()}")
-
-    def on_sigterm(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        the_lab.up()
+    with netlab.fresh_lab() as the_lab:
         yield the_lab
-    finally:
-        try:
-            the_lab.down()
-            netlab.cleanup_stale(also_prefix=the_lab.prefix)
-            left = [n for n in netlab.list_netns() if n.startswith(the_lab.prefix + "-")]
-            assert not left, f"namespaces left behind: {left}"
-            assert not any((netlab.NETNS_ETC / n).exists() for n in the_lab.namespaces())
-        finally:
-            signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.fixture

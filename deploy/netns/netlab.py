@@ -9,7 +9,7 @@ Everything this module creates is named with one prefix, ``psnt<pid>`` (the pid 
     /etc/netns/<prefix>-<host>/hosts
                                 the host names of every host, so that names resolve inside the namespaces the way
                                 pods' do (``ip netns exec`` bind-mounts this file over /etc/hosts)
-    table inet psnt             nftables tables, only ever inside a host's namespace (partition / reset)
+    table inet psnt             nftables tables, only ever inside a host's namespace (partition / cut / reset)
 
 Deleting a namespace deletes its veth end (and so the pair), its bridge and its nftables tables; ``Lab.down`` also
 kills any process still inside and removes the /etc/netns folders. ``cleanup_stale`` removes whatever a crashed
@@ -24,6 +24,7 @@ Command line (as root), from the repository root:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -32,7 +33,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 PREFIX_BASE = "psnt"
@@ -231,14 +232,35 @@ class Lab:
 
     # -- faults ------------------------------------------------------------------------------------------------
 
-    def partition(self, host: str) -> None:
-        """Drop every packet into and out of a host's namespace (a table of our own in that namespace)."""
+    def partition(self, host: str, keep_loopback: bool = False) -> None:
+        """Drop every packet into and out of a host's namespace (a table of our own in that namespace).
+
+        keep_loopback: except on `lo`, so that the host's own processes still reach each other (and a test can
+        still ask them something with `exec`, on 127.0.0.1) while nothing gets in or out of the host."""
+        lo_in = ' iifname "lo" accept;' if keep_loopback else ""
+        lo_out = ' oifname "lo" accept;' if keep_loopback else ""
         self.exec(
             host,
             ["nft", "-f", "-"],
             input=f"""table inet {NFT_TABLE} {{
-  chain input {{ type filter hook input priority 0; policy drop; }}
-  chain output {{ type filter hook output priority 0; policy drop; }}
+  chain input {{ type filter hook input priority 0; policy drop;{lo_in} }}
+  chain output {{ type filter hook output priority 0; policy drop;{lo_out} }}
+}}
+""",
+        )
+
+    def cut(self, host: str, peers: Sequence[str]) -> None:
+        """Drop every packet between a host and the given other hosts, both ways (one table in the host's
+        namespace: its input from them, its output to them); the rest of its traffic flows. `heal(host)` ends it."""
+        if not peers or host in peers:
+            raise ValueError(f"cut {host!r} from other hosts, not from {list(peers)!r}")
+        addresses = ", ".join(self.address(p) for p in peers)
+        self.exec(
+            host,
+            ["nft", "-f", "-"],
+            input=f"""table inet {NFT_TABLE} {{
+  chain input {{ type filter hook input priority 0; ip saddr {{ {addresses} }} drop; }}
+  chain output {{ type filter hook output priority 0; ip daddr {{ {addresses} }} drop; }}
 }}
 """,
         )
@@ -283,6 +305,31 @@ class Lab:
 
 
 # -- probe: runs inside a namespace -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def fresh_lab(hosts: Mapping[str, int] | None = None) -> Iterator[Lab]:
+    """A lab built for one test and removed after it whatever happens (a SIGTERM to the test run included), first
+    clearing what a crashed earlier run left; AssertionError if a namespace or /etc/netns folder is left."""
+    cleanup_stale()
+    lab = Lab(prefix=f"{PREFIX_BASE}{os.getpid()}", hosts=hosts)
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        lab.up()
+        yield lab
+    finally:
+        try:
+            lab.down()
+            cleanup_stale(also_prefix=lab.prefix)
+            left = [n for n in list_netns() if n.startswith(lab.prefix + "-")]
+            assert not left, f"namespaces left behind: {left}"
+            assert not any((NETNS_ETC / n).exists() for n in lab.namespaces())
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def probe(addresses: Sequence[str], out: str, interval: float) -> int:

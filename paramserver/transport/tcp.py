@@ -10,8 +10,8 @@ KEEPALIVE = ((socket.SO_KEEPALIVE, 1),)
 TCP_KEEPALIVE = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", 30_000))
 # A worker's connection to a copy of a replicated shard: a copy that went silent (cut off, its host gone) is
 # noticed within about 3 s while the connection waits, so the worker turns to the other copy, which took over in
-# half a second; data never acknowledged fails the send after 5 s.
-FAST_KEEPALIVE = (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 2), ("TCP_USER_TIMEOUT", 5_000))
+# half a second; data never acknowledged fails the send after 3 s.
+FAST_KEEPALIVE = (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 2), ("TCP_USER_TIMEOUT", 3_000))
 
 
 def keep_alive(sock: socket.socket, fast: bool = False) -> None:
