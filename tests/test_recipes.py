@@ -3,7 +3,11 @@ push, against torch computing the same on the whole batch and the whole model.""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,3 +77,21 @@ def test_train_with_both_recipes(ps_cluster_factory: Callable[..., LocalCluster]
         TrainConfig(server="x:1", accumulate=0)
     with pytest.raises(ValueError, match="clip-grad-norm"):
         TrainConfig(server="x:1", clip_grad_norm=-1.0)
+
+
+def test_nproc_starts_that_many_workers_and_each_gets_its_rank(
+    ps_cluster_factory: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=2, optimizer="sgd", lr=0.1), 2)
+    out = tmp_path / "run.json"
+    cmd = [sys.executable, "-m", "worker.cli", "--server", cluster.address, "--nproc", "2", "--model", "logreg"]
+    done = subprocess.run(
+        [*cmd, "--steps", "3", "--no-progress", "--metrics-out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    runs = [json.loads((tmp_path / f"run-{i}.json").read_text()) for i in range(2)]
+    assert sorted(r["rank"] for r in runs) == [0, 1] and all(r["steps"] == 3 for r in runs)
+    assert {r["device"] for r in runs} == {"cpu"}

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from paramserver.config import add_arguments, from_arguments
 from paramserver.errors import PSError
+from paramserver.procs import die_with_parent
 from worker.trainer import TrainConfig, train
 
 EPILOG = """\
@@ -16,6 +20,7 @@ examples:
   ps-worker --server 127.0.0.1:50051                          the built-in CNN on the digits dataset
   ps-worker --server ps-0.ps:50051 --model mlp --epochs 20 --metrics-out run.json
   ps-worker --server HOST:PORT --model mypkg.models:make_net --dataset data.npz --save-model net.pt
+  ps-worker --server HOST:PORT --nproc 4                      one worker per GPU of this host (else 4 on the CPU)
 
 The servers decide the mode (sync/async), optimizer and learning rate; see ps-server --help.
 """
@@ -32,6 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(parser, TrainConfig)
     parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="start this many workers on this host, each a process of its own with its rank from the servers: "
+        "one per GPU (cuda:0, cuda:1, ...) where --device is auto and there are that many, else on --device; "
+        "their --metrics-out, --plot and --save-model files get -0, -1, ... before the extension; Ctrl-C stops "
+        "them all (default: %(default)s)",
+    )
+    parser.add_argument(
         "--log-level",
         default="WARNING",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -43,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ps-worker."""
     args = build_parser().parse_args(argv)
+    if args.nproc != 1:
+        return run_several(args, list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
@@ -67,6 +83,71 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     return 0
+
+
+def _numbered(path: str, i: int) -> str:
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}-{i}{p.suffix}"))
+
+
+def run_several(args: argparse.Namespace, argv: list[str]) -> int:
+    """Start --nproc workers (this command without --nproc, each on its device and with its own output files),
+    wait for all of them, and stop them all on Ctrl-C or SIGTERM; the exit status is the first failure's, else 0."""
+    if args.nproc < 1:
+        print("ps-worker: --nproc must be at least 1", file=sys.stderr)
+        return 2
+    import torch
+
+    gpus = torch.cuda.device_count() if args.device == "auto" else 0
+    base = _without(argv, "--nproc")
+    procs: list[subprocess.Popen[bytes]] = []
+    for i in range(args.nproc):
+        extra = ["--device", f"cuda:{i}"] if gpus >= args.nproc else []
+        for flag, value in (
+            ("--metrics-out", args.metrics_out),
+            ("--plot", args.plot),
+            ("--save-model", args.save_model),
+        ):
+            if value:
+                extra += [flag, _numbered(value, i)]
+        cmd = [sys.executable, "-m", "worker.cli", *base, *extra]
+        procs.append(subprocess.Popen(cmd, preexec_fn=_child_setup))
+
+    def stop(signum: int, frame: object) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        codes = [proc.wait() for proc in procs]
+    except KeyboardInterrupt:
+        stop(signal.SIGINT, None)  # a terminal's Ctrl-C reached them too; a SIGINT sent to this process alone did not
+        codes = [proc.wait() for proc in procs]
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return next((c for c in codes if c), 0)
+
+
+def _child_setup() -> None:
+    """In a worker child before exec: never outlive this process, and take SIGINT as Ctrl-C (a shell starts a
+    background job with SIGINT ignored, which the child would inherit)."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    """argv without `flag` and its value (as --flag N or --flag=N)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
 
 
 if __name__ == "__main__":
