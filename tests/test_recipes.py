@@ -95,3 +95,17 @@ def test_nproc_starts_that_many_workers_and_each_gets_its_rank(
     runs = [json.loads((tmp_path / f"run-{i}.json").read_text()) for i in range(2)]
     assert sorted(r["rank"] for r in runs) == [0, 1] and all(r["steps"] == 3 for r in runs)
     assert {r["device"] for r in runs} == {"cpu"}
+
+
+def test_tensorboard_scalars(ps_cluster_factory: Callable[..., LocalCluster], tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="sgd", lr=0.1), 2)
+    train(TrainConfig(server=cluster.address, model="logreg", steps=5, progress=False, tensorboard=str(tmp_path)))
+    events = EventAccumulator(str(tmp_path / "worker-0"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "samples_per_second", "exchange_seconds", "staleness", "test_accuracy"} <= tags
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4, 5]
+    assert all(e.value >= 0 for e in events.Scalars("exchange_seconds"))
+    assert 0 <= events.Scalars("test_accuracy")[-1].value <= 1

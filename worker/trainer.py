@@ -111,6 +111,11 @@ class TrainConfig:
         None, "draw loss and test accuracy over time into this PNG (needs matplotlib: pip install 'paramserver[plot]')"
     )
     save_model: str | None = config_field(None, "save the trained weights as a torch state_dict to this file")
+    tensorboard: str | None = config_field(
+        None,
+        "write TensorBoard scalars into this directory (worker-RANK/ under it): loss, samples/s, exchange seconds "
+        "and staleness each step, test accuracy each epoch (needs tensorboard: pip install 'paramserver[tensorboard]')",
+    )
     progress: bool = config_field(True, "show a progress bar")
 
     def __post_init__(self) -> None:
@@ -239,6 +244,19 @@ def compute_gradients(
     return total
 
 
+def _board(directory: str | None, rank: int) -> Any:
+    """A TensorBoard SummaryWriter for this worker (None without a directory); ImportError saying what to install."""
+    if not directory:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ImportError(
+            "--tensorboard needs the tensorboard package: pip install 'paramserver[tensorboard]'"
+        ) from None
+    return SummaryWriter(log_dir=f"{directory}/worker-{rank}")
+
+
 def train(
     config: TrainConfig, dataset: Dataset | None = None, on_step: Callable[[int, float], None] | None = None
 ) -> dict[str, Any]:
@@ -308,6 +326,7 @@ def train(
             return _exchange(client, target, config.round_timeout)
 
         overlap = _overlap(config, client, model, exchange)
+        board = _board(config.tensorboard, client.rank)
         started_at, start = time.time(), time.perf_counter()
         try:
             epoch = 0
@@ -316,10 +335,20 @@ def train(
                     if step >= total:
                         break
                     xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+                    began = time.perf_counter()
                     loss_value = compute_gradients(model, xb, yb, config.accumulate, config.clip_grad_norm)
+                    seen = min(client.versions)
+                    exchanged = time.perf_counter()
                     stale += exchange(model) if overlap is None else bool(overlap.step())
                     step += 1
                     samples += len(xb)
+                    if board is not None:
+                        done = time.perf_counter()
+                        board.add_scalar("loss", loss_value, step)
+                        board.add_scalar("samples_per_second", len(xb) / max(done - began, 1e-9), step)
+                        board.add_scalar("exchange_seconds", done - exchanged, step)
+                        # Updates applied by other workers between this worker's pull and its push's version.
+                        board.add_scalar("staleness", max(0, min(client.versions) - seen - 1), step)
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
@@ -330,10 +359,13 @@ def train(
                         history["step"].append(step)
                         history["loss"].append(loss_value)
                 epoch += 1
-                if config.plot:
+                if config.plot or board is not None:
+                    accuracy = evaluate(model, data.x_test, data.y_test, device)
                     history["eval_time"].append(time.perf_counter() - start)
                     history["eval_step"].append(step)
-                    history["accuracy"].append(evaluate(model, data.x_test, data.y_test, device))
+                    history["accuracy"].append(accuracy)
+                    if board is not None:
+                        board.add_scalar("test_accuracy", accuracy, step)
             if overlap is not None:
                 stale += bool(overlap.finish())  # the weights of the last exchange
         finally:
@@ -341,6 +373,8 @@ def train(
                 overlap.close()
             if bar is not None:
                 bar.close()
+            if board is not None:
+                board.close()
         seconds = time.perf_counter() - start
         accuracy = evaluate(model, data.x_test, data.y_test, device)
         metrics = {
