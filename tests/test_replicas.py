@@ -101,9 +101,12 @@ def test_both_copies_hold_the_same_state_and_the_backup_refuses_workers(
             model.zero_grad()
             loss.backward()
             client.push_pull(model)
-        # A push is acknowledged once both copies hold it: each backup is at its primary's version already.
+        # A push is acknowledged once both copies hold it; the backup applies what it holds right after it answered.
         for shard in range(2):
             primary, backup = (cluster.shards[2 * shard + copy] for copy in (0, 1))
+            deadline = time.monotonic() + 10
+            while backup.version < primary.version and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert primary.version == backup.version == 15
             assert primary.state_bytes() == backup.state_bytes(), "the copies' weights or Adam state differ"
             assert backup.standby and not primary.standby

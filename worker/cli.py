@@ -12,7 +12,7 @@ from pathlib import Path
 
 from paramserver.config import add_arguments, from_arguments
 from paramserver.errors import PSError
-from paramserver.procs import die_with_parent
+from paramserver.procs import child_env, follow_parent
 from worker.trainer import TrainConfig, train
 
 EPILOG = """\
@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ps-worker."""
+    follow_parent()  # one of ps-worker --nproc N's workers stops with its launcher
     args = build_parser().parse_args(argv)
     if args.nproc != 1:
         return run_several(args, list(sys.argv[1:] if argv is None else argv))
@@ -111,7 +112,7 @@ def run_several(args: argparse.Namespace, argv: list[str]) -> int:
             if value:
                 extra += [flag, _numbered(value, i)]
         cmd = [sys.executable, "-m", "worker.cli", *base, *extra]
-        procs.append(subprocess.Popen(cmd, preexec_fn=_child_setup))
+        procs.append(subprocess.Popen(cmd, env=child_env(), preexec_fn=_sigint_as_ctrl_c))
 
     def stop(signum: int, frame: object) -> None:
         for proc in procs:
@@ -130,10 +131,9 @@ def run_several(args: argparse.Namespace, argv: list[str]) -> int:
     return next((c for c in codes if c), 0)
 
 
-def _child_setup() -> None:
-    """In a worker child before exec: never outlive this process, and take SIGINT as Ctrl-C (a shell starts a
-    background job with SIGINT ignored, which the child would inherit)."""
-    die_with_parent()
+def _sigint_as_ctrl_c() -> None:
+    """In a worker child before exec: take SIGINT as Ctrl-C (a shell starts a background job with SIGINT ignored,
+    which the child would inherit). (This launcher never uses gRPC, so code between fork and exec is safe here.)"""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 

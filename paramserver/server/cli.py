@@ -11,6 +11,7 @@ import threading
 from collections.abc import Sequence
 
 from paramserver.config import ServerConfig, add_arguments, from_arguments
+from paramserver.procs import follow_parent
 from paramserver.server import heap
 from paramserver.server.cluster import ERROR_LINE, PORT_LINE, READY_LINE, LocalCluster
 from paramserver.server.replica import DEPOSED_EXIT
@@ -226,6 +227,7 @@ def run_local_shards(args: argparse.Namespace, config: ServerConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ps-server."""
+    follow_parent()  # a shard process of ps-server --shards N (LocalCluster) stops with its parent
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr

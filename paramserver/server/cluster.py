@@ -12,7 +12,7 @@ import time
 from types import TracebackType
 
 from paramserver.config import ServerConfig
-from paramserver.procs import die_with_parent
+from paramserver.procs import child_env
 from paramserver.server.shard_server import ShardServer
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class LocalCluster:
             text=True,
             bufsize=1,
             start_new_session=True,
-            preexec_fn=die_with_parent,  # SIGTERM: no shard outlives its parent, each checkpoints
+            env=child_env(),  # SIGTERM when this process dies: no shard outlives it, each checkpoints
         )
 
     def _start_processes(self) -> None:
@@ -152,7 +152,8 @@ class LocalCluster:
 
     def restart(self, index: int) -> None:
         """Start shard process `index` again on its old port (after it died or was killed); it restores its
-        newest checkpoint when the config has a checkpoint_dir."""
+        newest checkpoint when the config has a checkpoint_dir. Call it from a thread that lives as long as the
+        process should: Linux stops a child when the thread that started it ends (paramserver.procs)."""
         if not self.processes:
             raise RuntimeError("only shard processes can be restarted")
         old = self.procs[index]

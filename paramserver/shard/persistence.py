@@ -55,11 +55,15 @@ class Checkpoints:
             self.wal.close()
             self.wal = None
 
-    def forget_log(self, index: int) -> None:
-        """Delete a log no checkpoint can be replayed under (a shard that restored nothing)."""
+    def forget_log(self, index: int, replaced: bool = False) -> None:
+        """Delete a log no checkpoint can be replayed under (a shard that restored nothing), or, `replaced`, one a
+        state taken from a primary replaces (a backup's)."""
         if self.config.checkpoint_dir:
             for _, path in wal.segments(self.config.checkpoint_dir, index):
-                log.warning("shard %d: %s has no checkpoint to replay it over: deleted", index, path)
+                if replaced:
+                    log.info("shard %d: %s is replaced by the primary's state: deleted", index, path)
+                else:
+                    log.warning("shard %d: %s has no checkpoint to replay it over: deleted", index, path)
                 path.unlink(missing_ok=True)
 
     def log(self, version: int, parts: Sequence[memoryview | bytes]) -> None:

@@ -391,7 +391,7 @@ class Shard:
             self.finished_workers = snap.finished_workers
             self.metrics.version.set(self.version)
             self.checkpoints.close_log()
-            self.checkpoints.forget_log(self.index)
+            self.checkpoints.forget_log(self.index, replaced=True)
             self.checkpoints.open_log(self.index, self.version)
 
     def apply_record(self, rec: wal.Record, parts: Sequence[memoryview | bytes]) -> None:
