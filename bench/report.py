@@ -91,7 +91,8 @@ def markdown(doc: Doc) -> str:
         "(shared 2-core machines vary by up to 2x between passes). MB and GB are decimal (10^6, 10^9 bytes).",
         "",
     ]
-    lines += _transport(ix, doc) + _baselines(ix) + _training(ix) + _memory(ix) + _sparse(ix) + _link(ix)
+    lines += _transport(ix, doc) + _baselines(ix) + _training(ix) + _memory(ix) + _sparse(ix)
+    lines += _replication(ix) + _link(ix)
     errors = {k: v["error"] for k, v in doc.get("sections", {}).items() if not v.get("ok")}
     if errors:
         lines += ["## Errors", ""] + [f"- **{k}**: {v}" for k, v in errors.items()] + [""]
@@ -486,6 +487,134 @@ def _sparse(ix: _Index) -> list[str]:
     return lines
 
 
+_REPLICATION_PATHS = {"shm": "shared memory", "socket": "data socket"}
+
+
+def _replication(ix: _Index) -> list[str]:
+    figs = ix.section("replication")
+    if not figs:
+        return []
+    lines = [
+        "## Replication: --replicas 2 (a hot standby beside each primary)",
+        "",
+        "One shard, one worker process, sync mode (SGD); the shard's two copies are processes, their roles in a real "
+        "etcd on loopback. A push with replicas is acknowledged once the backup answered for it. Cost: the same "
+        "exchange against a job with --replicas 1, both jobs up at once and their rounds interleaved (r1, r2, then "
+        "r2, r1, ...); ÷ is the ratio of the medians, paired the median of each pair of rounds' ratio. "
+        "--checkpoint-dir: the write-ahead log on both sides (--wal-sync write, no checkpoint while timed).",
+        "",
+    ]
+    cost = sorted(
+        (f for f in figs if f["id"].startswith("replication.rt.") and f["params"]["replicas"] == 2),
+        key=lambda f: (-f["params"]["bytes"], f["params"]["wal"], f["params"]["wire"]),
+    )
+    if cost:
+        rows = []
+        for f in cost:
+            p, e = f["params"], f.get("extra", {})
+            base_id = f["compare"][0] if f["compare"] else ""
+            base = ix.get(base_id)
+            r = ix.ratio(f["id"], base_id)
+            rows.append(
+                [
+                    p["payload"],
+                    _REPLICATION_PATHS.get(p["wire"], p["wire"]),
+                    "yes" if p["wal"] else "no",
+                    fmt(base["median"] if base else None),
+                    fmt(f["median"]),
+                    fmt(r, "x"),
+                    fmt(e.get("paired_ratio_median"), "x"),
+                    f"{fmt((base or {}).get('extra', {}).get('push_ms'))} / {fmt(e.get('push_ms'))}",
+                    f"{fmt((base or {}).get('extra', {}).get('pull_ms'))} / {fmt(e.get('pull_ms'))}",
+                    _target(r, e.get("target")),
+                ]
+            )
+        header = [
+            "payload",
+            "path",
+            "--checkpoint-dir",
+            "push+pull ms, r1",
+            "r2",
+            "r2 ÷ r1",
+            "paired",
+            "push ms r1 / r2",
+            "pull ms r1 / r2",
+            "target",
+        ]
+        lines += [*_table(header, rows), ""]
+    fail = [f for f in figs if f["id"].startswith("replication.failover.")]
+    for f in fail:
+        p, e = f["params"], f.get("extra", {})
+        lines += [
+            f"Failover, {p['payload']} model, 1 worker pushing (push_pull) as fast as it can on shared memory: the "
+            f"primary SIGKILLed {len(f['repeats'])} times at random moments (restarted 0.5 s later, it comes back "
+            "as the backup; the next kill once both copies are in sync); from the SIGKILL to the first acknowledged "
+            f"push sent after it ({e.get('pushes', 0):,} pushes meanwhile).",
+            "",
+            *_table(
+                ["kills", "min ms", "median ms", "p90 ms", "max ms"],
+                [
+                    [
+                        str(len(f["repeats"])),
+                        fmt(e.get("min_ms")),
+                        fmt(e.get("median_ms")),
+                        fmt(e.get("p90_ms")),
+                        fmt(e.get("max_ms")),
+                    ]
+                ],
+            ),
+            "",
+        ]
+    catch = [f for f in figs if f["id"].startswith("replication.catchup.")]
+    if catch:
+        rows = []
+        for f in sorted(catch, key=lambda f: (-f["params"]["bytes"], f["params"].get("pushing", False))):
+            p, e, xs = f["params"], f.get("extra", {}), f["repeats"]
+            serving = e.get("serving_to_in_sync_s") or []
+            start = e.get("process_start_s") or []
+            late = e.get("not_in_sync", 0)
+            rows.append(
+                [
+                    p["payload"],
+                    p.get("killed", ""),
+                    "pushing" if p.get("pushing") else "idle",
+                    str(len(xs)) + (f" (+{late} not in sync within {fmt(e.get('limit_s'))} s)" if late else ""),
+                    f"{fmt(f['median'])} ({fmt(min(xs))}-{fmt(max(xs))})" if xs else "—",
+                    f"{fmt(_median(serving))} ({fmt(min(serving))}-{fmt(max(serving))})" if serving else "—",
+                    fmt(_median(start)),
+                ]
+            )
+        lines += [
+            "Catch-up of a restarted copy: it comes back as the backup, takes the primary's whole state, then the "
+            "updates made meanwhile, and is in sync once etcd's in-sync set holds both copies again. Large model: "
+            "its backup SIGKILLed and restarted, the worker idle or pushing as fast as it can; small model: the "
+            "restarts of the failover runs. The process start (Python, torch, gRPC) is the same for any model.",
+            "",
+            *_table(
+                [
+                    "payload",
+                    "copy killed",
+                    "worker",
+                    "restarts",
+                    "restart → in sync s (min-max)",
+                    "serving → in sync s (min-max)",
+                    "process start s",
+                ],
+                rows,
+            ),
+            "",
+        ]
+    return lines
+
+
+def _median(xs: list[float]) -> float | None:
+    s = sorted(xs)
+    if not s:
+        return None
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
 def _link(ix: _Index) -> list[str]:
     figs = ix.section("link")
     if not figs:
@@ -637,6 +766,22 @@ def summary(doc: Doc) -> str:
         rate = ix.get(fid)["params"]["rate"]  # type: ignore[index]
         r = ratio(fid, "link.sps.cnn.w1.async")
         row(f"CNN training over a {rate} link, 1 worker, async, with --overlap ÷ without", r, "x", "", None)
+    for f in ix.section("replication"):
+        p = f["params"]
+        if f["id"].startswith("replication.rt.") and p["replicas"] == 2 and f["compare"]:
+            r = ratio(f["id"], f["compare"][0])
+            wal = ", --checkpoint-dir" if p["wal"] else ""
+            what = f"{p['payload']} push + pull, 1 shard, {_REPLICATION_PATHS.get(p['wire'], p['wire'])}{wal}"
+            row(f"{what}, --replicas 2 ÷ --replicas 1", r, "x", "≤ 1.3x", check(r, 1.3))
+        elif f["id"].startswith("replication.failover."):
+            e = f.get("extra", {})
+            row(
+                f"failover after a SIGKILL of the primary, median of {len(f['repeats'])}",
+                e.get("median_ms"),
+                " ms",
+                "",
+                None,
+            )
     fid = "training.tta.cnn.w2.sync"
     if ix.get(fid) is not None:
         row("CNN time to 0.95 accuracy, 2 workers, sync, ÷ local", ratio(fid, "training.tta.cnn.local"), "x", "", None)

@@ -8,6 +8,7 @@ Sections: transport (push/pull against shard processes), baselines (raw TCP, glo
 torch.distributed.rpc parameter server), training (samples/s against local training, time to 0.95 accuracy),
 memory (peak RSS of the shards), sparse (a training step on 4,096 Zipf IDs of a sparse embedding table against
 the same step in plain torch; IDs/s of one shard under 4 workers; a row table's memory and time against its size),
+replication (--replicas 2: the push + pull against one copy, failover and catch-up times, with a real etcd),
 link (training over a bandwidth-limited link between network namespaces, with and
 without ps-worker --overlap; needs root, else skipped). Everything runs on 127.0.0.1 or in the link section's own
 namespaces; every process started is stopped, and every namespace removed, at the end.
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python bench/run.py` puts bench/, not the repository, on sys.path
     sys.path.insert(0, str(ROOT))
 
-from bench import baselines, link, memory, report, sparse, training, transport  # noqa: E402
+from bench import baselines, link, memory, replication, report, sparse, training, transport  # noqa: E402
 from bench.common import Figure, Plan, Processes, log, machine_facts, write_atomic  # noqa: E402
 
 SECTIONS = {
@@ -41,6 +42,7 @@ SECTIONS = {
     "training": training.run,
     "memory": memory.run,
     "sparse": sparse.run,
+    "replication": replication.run,
     "link": link.run,
 }
 DEFAULT_OUT = ROOT / "bench" / "results"

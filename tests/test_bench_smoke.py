@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("transport", "baselines", "training", "memory", "sparse", "link")
+SECTIONS = ("transport", "baselines", "training", "memory", "sparse", "replication", "link")
 SMOKE = SECTIONS[:-1]  # every section that runs on any machine
 LIMIT_S = 1200  # pytest-timeout's limit for the run: for a machine many times slower than usual, never a verdict
 pytestmark = pytest.mark.timeout(LIMIT_S)  # whichever test runs the module's quick run first
@@ -107,13 +107,19 @@ def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.Co
     assert "sparse.local.rate.d64" in by_id["sparse.ids.shm.s1.w4.d64"]["ratios"]
     for prefix in ("sparse.throughput.", "sparse.bytes.", "sparse.rss.", "sparse.scale."):
         assert any(i.startswith(prefix) for i in ids), prefix
+    # Replication: --replicas 2 against 1 in the same run, a failover and the restarted copy's catch-up timed.
+    replicated = [f for i, f in by_id.items() if i.startswith("replication.rt.") and i.endswith(".r2")]
+    assert replicated, "no replication cost figure"
+    assert replicated[0]["compare"][0] in replicated[0]["ratios"], replicated[0]
+    assert any(i.startswith("replication.failover.") for i in ids)
+    assert any(i.startswith("replication.catchup.") for i in ids)
     # Ratios against the baselines of the same run are computed, and they are positive.
     ratios = [r for f in figures for r in f.get("ratios", {}).values()]
     assert ratios and all(r > 0 for r in ratios)
 
     text = (out / "latest.md").read_text()
     assert text.startswith("# paramserver benchmarks")
-    for heading in ("## Transport", "## Baselines", "## Training", "## Memory", "## Sparse tables"):
+    for heading in ("## Transport", "## Baselines", "## Training", "## Memory", "## Sparse tables", "## Replication"):
         assert heading in text
     assert "| payload |" in text
     assert "# paramserver benchmarks" in result.stdout  # the table is printed at the end too
@@ -132,6 +138,7 @@ def test_baselines_bracket_the_transport_cases() -> None:
         "training",
         "memory",
         "sparse",
+        "replication",
         "link",
     ]
     assert run_order(["baselines", "memory"]) == ["baselines", "memory"]
