@@ -85,6 +85,7 @@ def test_nproc_starts_that_many_workers_and_each_gets_its_rank(
     cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=2, optimizer="sgd", lr=0.1), 2)
     out = tmp_path / "run.json"
     cmd = [sys.executable, "-m", "worker.cli", "--server", cluster.address, "--nproc", "2", "--model", "logreg"]
+    cmd += ["--dataset", "synthetic"]  # no scikit-learn to import
     done = subprocess.run(
         [*cmd, "--steps", "3", "--no-progress", "--metrics-out", str(out)],
         capture_output=True,
