@@ -149,7 +149,6 @@ class Replication:
         self._heard = 0.0
         self._unacked_bytes = 0
         self._failed = ""  # why the backup link broke ("" while it holds)
-        self.took_over_at: float | None = None  # monotonic time this copy became primary after its rival
         self._rx = memoryview(b"")  # the backup's receive buffer for updates
         self._damaged = False  # a backup that answered for an update it could not apply
 
@@ -166,7 +165,7 @@ class Replication:
                 continue
             if role == "primary":
                 self.shard.restore()  # a lone primary's own disk holds every update it acknowledged
-                self._become_primary()
+                self._become_primary(complete=False)
                 return
             if role == "backup":
                 self._become_backup()
@@ -217,7 +216,7 @@ class Replication:
                     self.register.swap(cfg, cfg.but(done=True))
         self._stop.set()
         with self._cond:
-            self._drop_backup_locked("stopping")
+            self._drop_backup_locked()
             self._cond.notify_all()
         with contextlib.suppress(OSError):
             self._listener.close()
@@ -231,14 +230,15 @@ class Replication:
 
     # -- primary ---------------------------------------------------------------------------------------------------
 
-    def _become_primary(self) -> None:
+    def _become_primary(self, complete: bool) -> None:
+        """Serve workers (`complete`: this copy took over from its rival, so it holds every acknowledged update)."""
         cfg = self.config_seen
         assert cfg is not None
         log.info("shard %d copy %d: primary (epoch %d)", *self._who(), cfg.epoch)
         self.shard.metrics.primary.set(1)
         self.shard.metrics.backup_in_sync.set(int(self.other in cfg.in_sync))
         self.shard.replicator = self
-        self.shard.take_over(complete=self.took_over_at is not None)
+        self.shard.take_over(complete)
         self._set_ready(True)
         self._thread(self._accept_loop, "replication-accept")
         self._thread(self._watch_backup, "replication-watch")
@@ -260,8 +260,8 @@ class Replication:
                 return
             try:
                 sock.settimeout(self.timeout + total / MIN_BYTES_PER_S)
-                sock.sendall(RECORD)
-                for p in parts:
+                sock.sendall(RECORD + bytes(parts[0]))  # the tag and the record's head in one segment
+                for p in parts[1:]:
                     sock.sendall(p)
             except OSError as exc:
                 self._failed = f"sending version {version} failed: {exc}"
@@ -352,12 +352,9 @@ class Replication:
 
     def _send_state(self, conn: socket.socket, ident: int) -> None:
         with self.shard.lock, self._cond:
-            if self.shard.model is None:
-                raise ValueError("this primary holds no model yet (no worker registered one)")
-            snap = self.shard.snapshot()
+            snap = self.shard.snapshot()  # ValueError without a model (the hello refused that already)
             # What was queued before this moment is in the state; what is queued from now on follows it.
             self._queue, self._queued_bytes = [], 0
-            base = snap.version
         with tempfile.TemporaryDirectory(prefix="ps-replica-") as tmp:
             path = Path(tmp) / "state.safetensors"
             checkpoint.save_as(path, snap, durable=False)
@@ -381,8 +378,6 @@ class Replication:
                     return
                 batch, self._queue = self._queue, []
             for version, data in batch:
-                if version <= base:
-                    continue
                 conn.settimeout(self.timeout + len(data) / MIN_BYTES_PER_S)
                 conn.sendall(RECORD + data)
                 with self._cond:
@@ -445,7 +440,7 @@ class Replication:
                 self._failed = f"a heartbeat failed: {exc}"
                 self._cond.notify_all()
 
-    def _drop_backup_locked(self, why: str) -> None:
+    def _drop_backup_locked(self) -> None:
         sock, self._backup = self._backup, None
         self._backup_id += 1
         self._live, self._queue = False, []
@@ -460,7 +455,7 @@ class Replication:
         with self._cond:
             if ident is not None and ident != self._backup_id:
                 return
-            self._drop_backup_locked(why)
+            self._drop_backup_locked()
         cfg = self.config_seen
         if cfg is not None and self.other in cfg.in_sync:
             log.warning("shard %d copy %d: going on without the backup: %s", *self._who(), why)
@@ -505,7 +500,7 @@ class Replication:
         self._set_ready(False)
         self.deposed.set()
         with self._cond:
-            self._drop_backup_locked("deposed")
+            self._drop_backup_locked()
             self._cond.notify_all()
 
     # -- backup ----------------------------------------------------------------------------------------------------
@@ -573,10 +568,9 @@ class Replication:
         if stored is None:
             return False
         self.config_seen = stored
-        self.took_over_at = time.monotonic()
         self.shard.metrics.takeovers.inc()
         log.warning("shard %d copy %d: took over as primary (epoch %d)", *self._who(), stored.epoch)
-        self._become_primary()
+        self._become_primary(complete=True)
         return True
 
     def _stream(self, cfg: PartConfig) -> str:
@@ -663,9 +657,9 @@ class Replication:
         log.info("shard %d copy %d: took the primary's state at version %d", *self._who(), self.shard.version)
 
     def _receive_record(self, sock: socket.socket) -> None:
-        """Take one update whole, answer for it, then log and apply it. The answer comes before the apply (the
-        apply of the next update's transfer overlap): this copy holds the update from then on, and applies every
-        update it answered for before it could ever take over, in this same thread."""
+        """Take one update whole, answer for it, then log and apply it. The answer comes before the apply, so the
+        primary's acknowledgement does not wait for this copy's optimizer step: this copy holds the update from
+        then on, and applies every update it answered for, in this same thread, before it could ever take over."""
         head = bytes(_recv_exact(sock, wal.HEAD_BYTES))
         header = bytes(_recv_exact(sock, wal.header_size(head)))
         rest = wal.body_size(head, header)

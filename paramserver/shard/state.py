@@ -289,8 +289,7 @@ class Shard:
         policy; return (version, applied). `lent`: the gradient is in a buffer lent by `scratch()`, which the
         policy may keep (see `keep_scratch`)."""
         with self._cond:
-            self.check_serving()
-            model = self.require_model(digest)
+            model = self.require_model(digest)  # NotPrimary first on a copy that must not serve
             if grad.shape != (model.numel,):
                 raise InvalidArgument(f"gradient of {grad.shape[0]} elements for a shard of {model.numel}")
             self.check_step(step)
@@ -364,18 +363,23 @@ class Shard:
         model.step(grad, self.config.lr_at(version))
         if model.tables:
             model.tables.apply(rows, version, wall)
-        self.version = version
-        self._cond.notify_all()
+        self._advance_locked(version, model)
         m = self.metrics
         m.apply_seconds.observe(time.perf_counter() - started)
-        m.version.set(self.version)
         if waited is not None:
             m.round_wait.observe(waited)
         if staleness is not None:
             m.staleness.observe(staleness)
         if straggler is not None:
             m.straggler(self.membership.rank_of(straggler))
-        if self.checkpoints.due_at(self.version) or self.checkpoints.log_full(model.numel * 4):
+
+    def _advance_locked(self, version: int, model: ShardModel) -> None:
+        """Show `version` (applied and logged): wake the pulls waiting for it, and take a checkpoint when one is
+        due (call under the lock)."""
+        self.version = version
+        self._cond.notify_all()
+        self.metrics.version.set(version)
+        if self.checkpoints.due_at(version) or self.checkpoints.log_full(model.numel * 4):
             self.checkpoint_locked()
 
     # -- a backup's copy (paramserver.server.replica) ---------------------------------------------------------
@@ -406,11 +410,7 @@ class Shard:
             self.checkpoints.log(rec.version, parts)
             if not persistence.apply_logged(self, model, rec):
                 raise ValueError(f"the update to version {rec.version} does not fit this copy's model")
-            self.version = rec.version
-            self._cond.notify_all()
-            self.metrics.version.set(self.version)
-            if self.checkpoints.due_at(self.version) or self.checkpoints.log_full(model.numel * 4):
-                self.checkpoint_locked()
+            self._advance_locked(rec.version, model)
 
     def set_standby(self, why: str) -> None:
         """Refuse workers from now on with NotPrimary(why) (empty: serve them); every waiting pull is told."""
@@ -507,14 +507,10 @@ class Shard:
 
     def attach(self, worker_id: str, name: str, nonce: bytes, elements: int, digest: str) -> None:
         """Map a live worker's shared-memory segment for its Exchanges (replacing any earlier attachment)."""
-        with self._cond:
-            self.check_serving()
         self.attachments.attach_segment(worker_id, name, nonce, elements, digest)
 
     def attach_socket(self, worker_id: str, nonce: bytes, elements: int, digest: str) -> None:
         """Take a live worker's data-socket ticket (replacing any earlier attachment)."""
-        with self._cond:
-            self.check_serving()
         self.attachments.attach_socket(worker_id, nonce, elements, digest)
 
     def attachment(self, worker_id: str, model: ShardModel) -> Attachment:
