@@ -379,7 +379,10 @@ def test_tcp_reset_is_retried(job: Job) -> None:
     noticed = retries + outage + rejoined
     assert all(t_cut - 1 <= t <= t_heal + 60 for t, _ in noticed), (retries, outage, rejoined)
     if retries:
-        assert any("Connection reset" in line or "Connection refused" in line for _, line in retries), retries
+        # A reset shows as ECONNRESET, or as a plain end of stream where the socket had already reported the reset
+        # to an earlier call (a send, or the shard's side closing its half first).
+        signs = ("Connection reset", "Connection refused", "closed the connection")
+        assert any(any(s in line for s in signs) for _, line in retries), retries
     _report(
         "reset",
         reset_seconds=round(t_heal - t_cut, 1),
