@@ -1,0 +1,227 @@
+"""Prepared datasets: ps-prepare's shards and manifest, and the streaming reader over local disk, a real HTTP
+server and a real S3-compatible server (moto's), with its per-rank shares, shuffles, resume and prefetch bound."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from worker.fileserver import FileServer
+from worker.manifest import is_prepared, load_manifest
+from worker.prepare import PrepareConfig, prepare
+from worker.stream import StreamedDataset
+
+
+def _ids(data: StreamedDataset, rank: int, world: int, *, epoch: int = 0, start: int = 0, batch: int = 32) -> list:
+    out: list[int] = []
+    for _, _, ids in data.batches(rank, world, batch, seed=0, epoch=epoch, start=start, ids=True):
+        out += ids.tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("digits")
+    prepare("digits", PrepareConfig(out=str(out), shards=6, progress=False))
+    return out
+
+
+def test_prepare_writes_checked_shards_and_the_training_statistics(digits: Path) -> None:
+    manifest = load_manifest(str(digits))
+    train, test = manifest.splits["train"], manifest.splits["test"]
+    assert (manifest.task, manifest.in_shape, manifest.num_classes) == ("classification", (1, 8, 8), 10)
+    assert (train.samples, test.samples, len(train.shards)) == (1437, 360, 6)
+    for shard in (*train.shards, *test.shards):
+        data = (digits / shard.path).read_bytes()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (shard.bytes, shard.sha256)
+    assert manifest.normalization["axis"] == "channel"
+    x = torch.cat([b[0] for b in StreamedDataset(str(digits)).batches(0, 1, 500, seed=0, epoch=0)])
+    assert len(x) == 1437
+    assert abs(float(x.mean())) < 1e-4 and float(x.std()) == pytest.approx(1.0, abs=1e-3)  # the train split's
+    assert is_prepared(str(digits)) and not is_prepared("digits") and not is_prepared("data.npz")
+
+
+def test_ranks_take_disjoint_equal_shares_in_a_new_order_each_epoch(digits: Path) -> None:
+    data = StreamedDataset(str(digits))
+    per_epoch = data.samples_per_epoch(3)
+    shares = [_ids(data, rank, 3) for rank in range(3)]
+    assert [len(s) for s in shares] == [per_epoch] * 3
+    assert not set(shares[0]) & set(shares[1]) and not set(shares[1]) & set(shares[2])
+    assert len(set(shares[0])) == per_epoch  # no sample twice
+    again = _ids(data, 0, 3, epoch=1)
+    assert sorted(again) == sorted(shares[0]) and again != shares[0]  # the same samples, shuffled anew
+    assert _ids(data, 0, 3) == shares[0]  # the order is a function of (seed, epoch): a restart sees the same
+    with pytest.raises(ValueError, match="prepare it with ps-prepare --shards 7 or more"):
+        data.assignment(0, 7)
+
+
+def test_a_restart_mid_epoch_neither_rereads_nor_skips(digits: Path) -> None:
+    whole = _ids(StreamedDataset(str(digits)), 1, 2, epoch=3)
+    for start in (0, 1, 100, 301, len(whole) - 1, len(whole)):
+        data = StreamedDataset(str(digits))
+        assert _ids(data, 1, 2, epoch=3, start=start) == whole[start:]
+        if start >= 301:
+            assert data.fetched < 3  # the shards wholly before the position are never fetched
+
+
+def test_prefetch_holds_a_bounded_number_of_shards(tmp_path: Path) -> None:
+    prepare("synthetic", PrepareConfig(out=str(tmp_path), shards=24, progress=False))
+    data = StreamedDataset(str(tmp_path), prefetch=2)
+    batches = data.batches(0, 1, 8, seed=0, epoch=0)
+    next(batches)
+    time.sleep(1.0)  # the reader runs ahead as far as it may
+    assert data.fetched <= 2 + 2, data.fetched  # the one being taken, `prefetch` queued, one waiting to be queued
+    assert sum(1 for _ in batches) > 0 and data.fetched == 24
+    batches.close()
+
+
+def test_a_damaged_or_missing_shard_is_named(tmp_path: Path) -> None:
+    prepare("digits", PrepareConfig(out=str(tmp_path), shards=2, progress=False))
+    manifest = load_manifest(str(tmp_path))
+    victim = tmp_path / manifest.splits["train"].shards[1].path
+    blob = bytearray(victim.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    victim.write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match="damaged or was replaced"):
+        list(StreamedDataset(str(tmp_path)).batches(0, 1, 64, seed=0, epoch=0))
+    victim.unlink()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        list(StreamedDataset(str(tmp_path)).batches(0, 1, 64, seed=0, epoch=0))
+    with pytest.raises(FileNotFoundError, match="manifest.json does not exist"):
+        StreamedDataset(str(tmp_path / "elsewhere"))
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ValueError, match="not a paramserver-shards manifest"):
+        StreamedDataset(str(tmp_path))
+
+
+def test_image_folders_and_tables_become_shards(tmp_path: Path) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for name, colour in (("cats", 0), ("dogs", 2)):
+        (tmp_path / "images" / name).mkdir(parents=True)
+        for i in range(10):
+            pixels = rng.integers(0, 60, (20, 24, 3), dtype=np.uint8)
+            pixels[..., colour] += 180
+            Image.fromarray(pixels).save(tmp_path / "images" / name / f"{i}.png")
+    (tmp_path / "images" / "cats" / "notes.txt").write_text("not an image")
+    images = prepare(
+        str(tmp_path / "images"), PrepareConfig(out=str(tmp_path / "a"), shards=2, image_size=8, progress=False)
+    )
+    assert (images.in_shape, images.num_classes, images.classes) == ((3, 8, 8), 2, ("cats", "dogs"))
+    assert images.splits["train"].samples + images.splits["test"].samples == 20
+    assert len(images.normalization["mean"]) == 3
+
+    with open(tmp_path / "flowers.csv", "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["petal", "sepal", "species"])
+        for i in range(40):
+            out.writerow([i * 0.1, 1 - i * 0.05, "setosa" if i % 2 else "virginica"])
+    table = prepare(
+        str(tmp_path / "flowers.csv"), PrepareConfig(out=str(tmp_path / "b"), shards=2, label="species", progress=False)
+    )
+    assert (table.task, table.in_shape, table.classes) == ("classification", (2,), ("setosa", "virginica"))
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(
+        pa.table({"a": np.arange(30.0), "b": np.ones(30), "label": np.arange(30.0) * 2}), tmp_path / "prices.parquet"
+    )
+    reg = prepare(str(tmp_path / "prices.parquet"), PrepareConfig(out=str(tmp_path / "c"), shards=3, progress=False))
+    assert (reg.task, reg.num_classes) == ("regression", 1)
+    x, y = next(StreamedDataset(str(tmp_path / "c")).batches(0, 1, 100, seed=0, epoch=0))
+    assert y.dtype == torch.float32 and len(y) == 24
+    with pytest.raises(ValueError, match="no column 'price'"):
+        prepare(str(tmp_path / "prices.parquet"), PrepareConfig(out=str(tmp_path / "d"), label="price"))
+
+
+def test_a_dataset_streams_alike_from_disk_and_a_real_http_server(digits: Path) -> None:
+    local = _ids(StreamedDataset(str(digits)), 0, 2, epoch=1)
+    with FileServer(digits) as server:
+        over_http = StreamedDataset(f"{server.url}/manifest.json")
+        assert _ids(over_http, 0, 2, epoch=1) == local
+        assert sum(len(y) for _, y in over_http.test_batches(100)) == 360
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A real S3-compatible server (moto's, on a free loopback port); s3fs finds it through AWS_ENDPOINT_URL."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        for key, value in (
+            ("AWS_ENDPOINT_URL", endpoint),
+            ("AWS_ACCESS_KEY_ID", "test"),
+            ("AWS_SECRET_ACCESS_KEY", "test"),
+            ("AWS_DEFAULT_REGION", "us-east-1"),
+        ):
+            monkeypatch.setenv(key, value)
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem().mkdir("datasets")
+        yield endpoint
+    finally:
+        server.stop()
+
+
+def test_prepare_writes_to_s3_and_workers_stream_from_it(s3: str, digits: Path) -> None:
+    prepare("digits", PrepareConfig(out="s3://datasets/digits", shards=6, progress=False))
+    assert _ids(StreamedDataset("s3://datasets/digits"), 1, 3) == _ids(StreamedDataset(str(digits)), 1, 3)
+
+
+def test_storage_that_cannot_be_reached_is_said_plainly(tmp_path: Path) -> None:
+    with pytest.raises(ImportError, match="hdfs:// needs a JVM and Hadoop's libhdfs"):
+        StreamedDataset("hdfs://127.0.0.1:9/data/digits")
+    with pytest.raises(ValueError, match="read only"):
+        prepare("digits", PrepareConfig(out="http://127.0.0.1:9/digits", progress=False))
+
+
+def test_ps_prepare_command(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "worker.prepare",
+            "synthetic",
+            "--out",
+            str(tmp_path / "s"),
+            "--shards",
+            "3",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "8192 train samples in 3 shards" in done.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "worker.prepare", "nonsense", "--out", str(tmp_path / "t")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "ps-prepare: unknown dataset 'nonsense'" in bad.stderr
+    assert not (tmp_path / "t").exists()

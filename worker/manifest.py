@@ -1,0 +1,142 @@
+"""A prepared dataset's manifest: what `ps-prepare` wrote (its shards, their sample counts, sizes and SHA-256
+sums, the sample and target shapes, the normalisation applied, the splits), read back by the streaming reader.
+
+The manifest is `manifest.json` beside the shards; shard paths in it are relative to its directory, so a dataset
+can be copied or served from anywhere. It is written last: a dataset whose manifest exists is whole.
+
+The shards are Parquet files with three columns: `id` (int64, the sample's index within its split, so a reader's
+coverage can be checked), `x` (fixed-size list of float32: one sample flattened; `in_shape` restores it) and `y`
+(int64 class labels, or float32 targets, a fixed-size list when a target has several values).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from worker import storage
+
+FORMAT = "paramserver-shards"
+VERSION = 1
+MANIFEST = "manifest.json"
+TASKS = ("classification", "regression")
+SPLITS = ("train", "test")
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """One Parquet file of a split."""
+
+    path: str  # relative to the manifest's directory
+    samples: int
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Split:
+    """The shards of one split, in order (ids run on from one shard to the next)."""
+
+    samples: int
+    shards: tuple[ShardFile, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a prepared dataset holds; `base` is the URL of the directory it was read from (not stored)."""
+
+    name: str
+    task: str
+    in_shape: tuple[int, ...]
+    num_classes: int  # classes, or the number of target values of a regression
+    splits: dict[str, Split]
+    normalization: dict[str, Any] = field(default_factory=dict)  # {"axis": ..., "mean": [...], "std": [...]}
+    source: str = ""
+    classes: tuple[str, ...] = ()  # class names, where the source named them (image folders, string labels)
+    base: str = ""
+
+    def url(self, shard: ShardFile) -> str:
+        """Where a shard is."""
+        return storage.join(self.base, shard.path)
+
+    @property
+    def features(self) -> int:
+        """Values in one sample."""
+        return math.prod(self.in_shape)
+
+    def to_json(self) -> str:
+        doc = {"format": FORMAT, "version": VERSION, **asdict(self)}
+        del doc["base"]
+        return json.dumps(doc, indent=2) + "\n"
+
+
+def manifest_url(spec: str) -> str:
+    """The manifest's URL for a dataset named by its manifest or by its directory."""
+    return spec if spec.endswith(".json") else storage.join(spec, MANIFEST)
+
+
+def is_prepared(spec: str) -> bool:
+    """Whether a --dataset value names a prepared dataset (a URL, a manifest, or a directory holding one) rather
+    than a built-in dataset or an .npz file."""
+    return "://" in spec or spec.endswith(".json") or Path(spec, MANIFEST).is_file()
+
+
+def load_manifest(spec: str) -> Manifest:
+    """Read and check the manifest of the dataset at `spec` (its manifest's URL or its directory's)."""
+    url = manifest_url(spec)
+    raw = storage.read_bytes(url)
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{url} is not a JSON manifest: {exc}") from None
+    return parse(doc, base=url.rsplit("/", 1)[0] if "/" in url else ".", where=url)
+
+
+def parse(doc: Any, *, base: str, where: str) -> Manifest:
+    """A Manifest from its JSON document; ValueError saying what is wrong with it."""
+
+    def fail(what: str) -> ValueError:
+        return ValueError(f"{where}: {what} (prepare the dataset again with ps-prepare)")
+
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise fail(f"not a {FORMAT} manifest")
+    if doc.get("version") != VERSION:
+        raise fail(f"manifest version {doc.get('version')!r}; this paramserver reads version {VERSION}")
+    try:
+        splits = {
+            name: Split(
+                int(s["samples"]),
+                tuple(
+                    ShardFile(str(f["path"]), int(f["samples"]), int(f["bytes"]), str(f["sha256"])) for f in s["shards"]
+                ),
+            )
+            for name, s in doc["splits"].items()
+        }
+        manifest = Manifest(
+            name=str(doc["name"]),
+            task=str(doc["task"]),
+            in_shape=tuple(int(d) for d in doc["in_shape"]),
+            num_classes=int(doc["num_classes"]),
+            splits=splits,
+            normalization=dict(doc.get("normalization") or {}),
+            source=str(doc.get("source", "")),
+            classes=tuple(str(c) for c in doc.get("classes") or ()),
+            base=base,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise fail(f"malformed manifest ({type(exc).__name__}: {exc})") from None
+    if manifest.task not in TASKS:
+        raise fail(f"task {manifest.task!r} is not one of {', '.join(TASKS)}")
+    if "train" not in splits or not splits["train"].shards:
+        raise fail("no train shards")
+    for name, split in splits.items():
+        if sum(f.samples for f in split.shards) != split.samples:
+            raise fail(f"the {name} shards' sample counts do not add up to {split.samples}")
+        if any(f.samples < 1 or ".." in f.path.split("/") or f.path.startswith("/") for f in split.shards):
+            raise fail(f"a {name} shard is empty or lies outside the dataset's directory")
+    if not manifest.in_shape or min(manifest.in_shape) < 1 or manifest.num_classes < 1:
+        raise fail(f"sample shape {manifest.in_shape} or {manifest.num_classes} outputs")
+    return manifest
