@@ -95,6 +95,15 @@ class ServerConfig:
     gamma: float = config_field(0.1, "step: the factor the rate is multiplied by every --step-every versions")
     momentum: float = config_field(0.9, "momentum of the 'momentum' optimizer")
     weight_decay: float = config_field(0.0, "weight decay (decoupled for adamw)")
+    no_weight_decay: str = config_field(
+        "",
+        "comma-separated name patterns (fnmatch: * ? [seq]) of dense tensors that take no --weight-decay, matched "
+        "against the whole names the worker registers (its state_dict's: '*.bias,*norm*.weight,bn*'): tensors whose "
+        "names match get weight decay 0, as a torch param group with weight_decay=0 would, the others the job's "
+        "decay, for every --optimizer and at the --lr-schedule's rate (sgd, momentum, adam and adagrad then hold "
+        "one more gradient-sized buffer per shard); sparse tables take no weight decay either way (default: none, "
+        "every tensor decays)",
+    )
     buffers: str = config_field(
         "mean",
         "what an update makes of the model's buffers (BatchNorm's running statistics: values the workers push, not "
@@ -223,6 +232,7 @@ class ServerConfig:
             raise ValueError(f"lr must be positive, not {self.lr}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must not be negative, not {self.weight_decay}")
+        optimizers.decay_patterns(self.no_weight_decay)  # ValueError for an empty pattern
         buffer_rules.rule(self.buffers)  # ValueError naming the choices
         if not 0 < self.buffer_momentum <= 1:
             raise ValueError(f"buffer_momentum must be in (0, 1], not {self.buffer_momentum}")

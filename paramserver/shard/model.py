@@ -4,6 +4,7 @@ checkpoint's placement."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,9 +15,11 @@ from paramserver.config import ServerConfig
 from paramserver.errors import InvalidArgument, ModelMismatch, TooLarge
 from paramserver.placement import SLICE_ELEMENTS, Piece, Placement, TensorSpec, place
 from paramserver.shard import buffers
-from paramserver.shard.optimizers import make_optimizer
+from paramserver.shard.optimizers import WeightDecay, decay_patterns, exempt, make_optimizer, make_weight_decay
 from paramserver.shard.sparse import ShardTables
 from paramserver.tables import TableSpec
+
+log = logging.getLogger(__name__)
 
 
 def piece_label(piece: Piece, specs: dict[str, TensorSpec]) -> str:
@@ -38,6 +41,7 @@ class ShardModel:
     optimizer: torch.optim.Optimizer
     buffers: buffers.Buffers  # which elements are buffers (none for most models), and the job's rule for them
     tables: ShardTables  # this shard's rows of the model's sparse tables (none for a dense model)
+    decay: WeightDecay | None = None  # the job's weight decay where --no-weight-decay exempts some tensors from it
 
     @property
     def digest(self) -> str:
@@ -49,10 +53,13 @@ class ShardModel:
 
     def step(self, grad: torch.Tensor, lr: float | None = None) -> None:
         """Apply one update with a flat gradient: the optimizer on the parameters (at rate `lr` when given: the
-        job's schedule), the buffer rule on the buffers."""
+        job's schedule; weight decay only where no --no-weight-decay pattern exempts a tensor), the buffer rule on
+        the buffers."""
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+        if self.decay is not None:  # AdamW's decay takes the step's rate, as torch's does
+            grad = self.decay.apply(self.params, grad, float(self.optimizer.param_groups[0]["lr"]))
         self.buffers.step(self.params, grad, self.optimizer)
 
     def views(self, flat: np.ndarray) -> list[np.ndarray]:
@@ -96,6 +103,9 @@ def build_model(placement: Placement, index: int, config: ServerConfig) -> Shard
     offsets = tuple(int(o) for o in np.cumsum([0] + [p.length for p in pieces[:-1]])) if pieces else ()
     by_name = {s.name: s for s in placement.specs}
     params = torch.zeros(numel, dtype=torch.float32)
+    decay = make_weight_decay(config, pieces, offsets, placement.specs)
+    if decay is not None:
+        _warn_unmatched(decay_patterns(config.no_weight_decay), placement.specs, index)
     return ShardModel(
         placement,
         pieces,
@@ -107,4 +117,20 @@ def build_model(placement: Placement, index: int, config: ServerConfig) -> Shard
             buffers.ranges(pieces, offsets, placement.specs), buffers.rule(config.buffers), config.buffer_momentum
         ),
         ShardTables(placement.tables, index, placement.num_shards, config),
+        decay,
     )
+
+
+def _warn_unmatched(patterns: Sequence[str], specs: Sequence[TensorSpec], index: int) -> None:
+    """Say which patterns exempt none of the model's parameters: most likely a name the user guessed wrong
+    (nn.Sequential names a LayerNorm's weight `net.2.weight`, with no `norm` in it)."""
+    names = [s.name for s in specs if not s.buffer]
+    unmatched = [p for p in patterns if not any(exempt(n, (p,)) for n in names)]
+    if unmatched and index == 0:  # once per job, not once per shard
+        log.warning(
+            "--no-weight-decay: %s exempt%s none of the model's %d parameter tensors, named like %s",
+            ", ".join(repr(p) for p in unmatched),
+            "s" if len(unmatched) == 1 else "",
+            len(names),
+            ", ".join(names[:3]),
+        )

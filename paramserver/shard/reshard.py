@@ -118,6 +118,10 @@ def _replay_config(snap: Snapshot, source: Path, config: ServerConfig | None) ->
             changes[key] = float(group[key])
     if snap.optimizer == "momentum" and isinstance(group.get("momentum"), int | float):
         changes["momentum"] = float(group["momentum"])
+    # --no-weight-decay: the group's own weight_decay is 0, the job's decay and its exempt patterns beside it
+    if isinstance(group.get("masked_weight_decay"), int | float) and isinstance(group.get("no_weight_decay"), str):
+        changes["weight_decay"] = float(group["masked_weight_decay"])
+        changes["no_weight_decay"] = group["no_weight_decay"]
     return ServerConfig(**changes)
 
 
@@ -505,7 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay = parser.add_argument_group(
         "replaying the logs",
         "The job's flags that shape an update and that a checkpoint does not record (its optimizer, learning rate,\n"
-        "weight decay and momentum are read from the checkpoints). Only a log replayed over a checkpoint uses them.",
+        "weight decay, --no-weight-decay patterns and momentum are read from the checkpoints). Only a log replayed\n"
+        "over a checkpoint uses them.",
     )
     replay.add_argument("--buffers", choices=buffer_rules.NAMES, help="the job's --buffers (default: mean)")
     replay.add_argument("--buffer-momentum", type=float, help="the job's --buffer-momentum (default: 0.5)")
