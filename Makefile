@@ -8,6 +8,7 @@ SHARDS ?= 2
 WORKERS ?= 2
 PORT ?= 0
 MODEL ?= cnn
+DATA ?= memory
 DEMO_ARGS ?=
 
 .PHONY: install demo test lint proto clean bench bench-smoke stress deploy-check image image-test netns-test netns-clean monitoring-test js-test
@@ -21,10 +22,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## demo: 2 shards + 2 workers train the CNN on scikit-learn's digits (MODE=sync|async|ssp); MODEL=recsys: the
+## demo: 2 shards + 2 workers train the CNN on scikit-learn's digits (MODE=sync|async|ssp; DATA=sharded: streamed
+## from shards over HTTP, warmup-cosine); MODEL=recsys: the
 ## sparse-table demo (a DLRM-style model on generated click logs, AUC against local training and the ceiling)
 demo: $(STAMP)
-	$(PY) -m worker.demo --mode $(MODE) --shards $(SHARDS) --workers $(WORKERS) --port $(PORT) --model $(MODEL) $(DEMO_ARGS)
+	$(PY) -m worker.demo --mode $(MODE) --shards $(SHARDS) --workers $(WORKERS) --port $(PORT) --model $(MODEL) --data $(DATA) $(DEMO_ARGS)
 
 ## test: the whole suite (unit, servicer, end-to-end with real servers on port 0)
 test: $(STAMP)

@@ -79,7 +79,7 @@ def _local_run(data: Any, params: dict[str, Any], msg: dict[str, Any]) -> dict[s
 
     from worker.data import batches, shard_for_rank, steps_per_epoch
     from worker.models import build_model
-    from worker.trainer import evaluate
+    from worker.trainer import accuracy_of
 
     torch.manual_seed(0)  # the same initial weights as a ps run (seed 0)
     model = build_model(params["model"], in_shape=data.in_shape, num_classes=data.num_classes)
@@ -103,7 +103,7 @@ def _local_run(data: Any, params: dict[str, Any], msg: dict[str, Any]) -> dict[s
         seconds += time.perf_counter() - start
         epoch += 1
         if target is not None and reached is None:  # evaluation time is not training time
-            accuracy = evaluate(model, data.x_test, data.y_test, cpu)
+            accuracy = accuracy_of(model, data.x_test, data.y_test, cpu)
             if accuracy >= target:
                 reached = {"epochs": epoch, "seconds": seconds, "test_accuracy": accuracy}
                 break
@@ -112,7 +112,7 @@ def _local_run(data: Any, params: dict[str, Any], msg: dict[str, Any]) -> dict[s
         "samples": samples,
         "seconds": seconds,
         "samples_per_second": samples / seconds if seconds > 0 else 0.0,
-        "test_accuracy": evaluate(model, data.x_test, data.y_test, cpu),
+        "test_accuracy": accuracy_of(model, data.x_test, data.y_test, cpu),
         "final_loss": float(loss.detach()),
         "reached": reached,
     }

@@ -29,7 +29,7 @@ from paramserver.shard.state import Shard
 from worker import Overlap, PSClient
 from worker.data import load_dataset
 from worker.models import build_model
-from worker.trainer import TrainConfig, evaluate, train
+from worker.trainer import TrainConfig, accuracy_of, train
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -328,16 +328,16 @@ def test_a_worker_that_joins_mid_job_evaluates_with_the_jobs_statistics(
     with PSClient(cluster.address, timeout=CLIENT_TIMEOUT) as late:
         joined = fresh(seed=11)
         late.register(joined)
-        assert evaluate(joined, digits.x_test, digits.y_test, CPU) == accuracy
+        assert accuracy_of(joined, digits.x_test, digits.y_test, CPU) == accuracy
 
     saved = torch.load(tmp_path / "model-0.pt", weights_only=True)
     reloaded = fresh(seed=12)
     reloaded.load_state_dict(saved)
-    assert evaluate(reloaded, digits.x_test, digits.y_test, CPU) == accuracy
+    assert accuracy_of(reloaded, digits.x_test, digits.y_test, CPU) == accuracy
     for name, value in joined.state_dict().items():
         assert torch.equal(saved[name], value), name
 
     # What a worker had before buffers lived on the shards: the job's weights, its own fresh statistics.
     stale = fresh(seed=12)
     stale.load_state_dict({k: v for k, v in saved.items() if k in dict(stale.named_parameters())}, strict=False)
-    assert evaluate(stale, digits.x_test, digits.y_test, CPU) < accuracy - 0.3  # 0.40 here
+    assert accuracy_of(stale, digits.x_test, digits.y_test, CPU) < accuracy - 0.3  # 0.40 here

@@ -18,15 +18,17 @@ import numpy as np
 import pytest
 import torch
 
+from paramserver.config import ServerConfig
 from worker.fileserver import FileServer
 from worker.manifest import is_prepared, load_manifest
 from worker.prepare import PrepareConfig, prepare
 from worker.stream import StreamedDataset
+from worker.trainer import TrainConfig, train
 
 
 def _ids(data: StreamedDataset, rank: int, world: int, *, epoch: int = 0, start: int = 0, batch: int = 32) -> list:
     out: list[int] = []
-    for _, _, ids in data.batches(rank, world, batch, seed=0, epoch=epoch, start=start, ids=True):
+    for _, _, ids in data.batches_with_ids(rank, world, batch, seed=0, epoch=epoch, start=start):
         out += ids.tolist()
     return out
 
@@ -225,3 +227,36 @@ def test_ps_prepare_command(tmp_path: Path) -> None:
     )
     assert bad.returncode == 2 and "ps-prepare: unknown dataset 'nonsense'" in bad.stderr
     assert not (tmp_path / "t").exists()
+
+
+class _Died(Exception):
+    pass
+
+
+def test_a_worker_that_restarts_resumes_where_the_sync_job_is(digits: Path, ps_cluster_factory) -> None:
+    """A worker dies after 7 steps; the one started in its place begins at step 7 of the same epoch order (the
+    servers' version), so that together they read each sample of each epoch once."""
+    cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=1, lr=1e-2), 2)
+    config = TrainConfig(server=cluster.address, dataset=str(digits), model="logreg", epochs=2, progress=False)
+
+    def die(step: int, loss: float) -> None:
+        if step == 7:
+            raise _Died
+
+    with pytest.raises(_Died):
+        train(config, on_step=die)
+    metrics = train(config)
+    per_epoch = -(-StreamedDataset(str(digits)).samples_per_epoch(1) // config.batch_size)
+    assert (metrics["first_step"], metrics["steps"]) == (7, 2 * per_epoch - 7)
+    assert metrics["server_version"] == 2 * per_epoch
+    assert metrics["input_wait_seconds"] >= 0 and metrics["test_accuracy"] > 0.8
+    again = train(config)  # the job is done: a worker that joins now has nothing left to read
+    assert again["steps"] == 0 and again["first_step"] == 2 * per_epoch
+
+
+def test_a_prepared_regression_streams_and_reports_its_test_loss(tmp_path: Path, ps_cluster_factory) -> None:
+    prepare("diabetes", PrepareConfig(out=str(tmp_path), shards=2, progress=False))
+    cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=1, lr=3e-3), 1)
+    metrics = train(TrainConfig(server=cluster.address, dataset=str(tmp_path), model="mlp", epochs=3, progress=False))
+    assert metrics["task"] == "regression" and metrics["test_accuracy"] is None
+    assert 0 < metrics["test_loss"] < 1.0

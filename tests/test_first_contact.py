@@ -98,11 +98,17 @@ def test_the_demo_never_trains_on_a_server_it_did_not_start():
 
 
 def test_the_demo_takes_free_ports_by_default(taken_port):
-    # Whatever else listens on this host, the demo's own servers get ports of their own.
-    result = _run("-m", "worker.demo", "--no-progress", "--epochs", "4", "--model", "mlp", timeout=240)
+    # Whatever else listens on this host, the demo's own servers (and its HTTP server) get ports of their own. The
+    # run streams the digits as shards from that HTTP server: make demo DATA=sharded.
+    result = _run(
+        "-m", "worker.demo", "--no-progress", "--data", "sharded", "--epochs", "4", "--model", "mlp", timeout=240
+    )
     assert "servers stopped with status 0" in result.stdout, result.stdout + result.stderr
     address = re.search(r"workers: ps-worker --server (\S+)", result.stdout)
     assert address and address.group(1) != f"127.0.0.1:{taken_port}"
+    served = re.search(r"serving (http://127.0.0.1:(\d+)/manifest.json)", result.stdout)
+    assert served and served.group(2) != str(taken_port), result.stdout
+    assert "--lr-schedule cosine --warmup-versions" in result.stdout
 
 
 def test_an_unreachable_server_is_said_at_once_and_each_retry_shown():

@@ -78,9 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PSError as exc:
         print(f"ps-worker: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    tested = metrics["test_accuracy"]  # None for a regression or a --train-step job: their test loss instead
     print(
         f"worker {metrics['rank']}: {metrics['steps']} steps, {metrics['samples_per_second']:.0f} samples/s, "
-        f"final loss {metrics['final_loss']:.4f}, test accuracy {metrics['test_accuracy']:.4f}",
+        f"final loss {metrics['final_loss']:.4f}, "
+        + (f"test accuracy {tested:.4f}" if tested is not None else f"test loss {metrics['test_loss']:.4f}"),
         flush=True,
     )
     return 0

@@ -7,6 +7,7 @@ them on the way out (also on Ctrl-C or a failure).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import subprocess
@@ -74,6 +75,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="model for ps-worker --model; 'recsys': the sparse-table demo instead (python -m worker.recsys: a "
         "DLRM-style model on generated click logs, 2 shards and 2 workers in sync mode against local training)",
     )
+    parser.add_argument(
+        "--data",
+        default="memory",
+        choices=("memory", "sharded"),
+        help="memory: each worker loads the digits itself; sharded: ps-prepare writes the digits as shards, an HTTP "
+        "server serves them, the workers stream them from its URL, and the servers run a warmup-cosine schedule",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args, extra = parser.parse_known_args(argv)
     if args.model == "recsys":
@@ -85,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.executable,
         "-m",
         "paramserver.server.cli",
+        "--log-level",
+        "WARNING",
         "--shards",
         str(args.shards),
         "--mode",
@@ -93,12 +103,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         str(args.workers),
         "--port",
         str(args.port),
-        "--log-level",
-        "WARNING",
     ]
-    print(
-        f"$ ps-server --shards {args.shards} --mode {args.mode} --workers {args.workers} --port {args.port}", flush=True
-    )
+    with contextlib.ExitStack() as stack:
+        dataset: list[str] = []
+        if args.data == "sharded":
+            files = stack.enter_context(tempfile.TemporaryDirectory(prefix="ps-demo-data-"))
+            url, schedule = _sharded_digits(files, stack, args.workers, args.no_progress, extra)
+            server_cmd += schedule
+            dataset = ["--dataset", url]
+        return _run(args, server_cmd, dataset + extra)
+
+
+def _sharded_digits(
+    directory: str, stack: contextlib.ExitStack, workers: int, quiet: bool, worker_args: list[str]
+) -> tuple[str, list[str]]:
+    """Prepare the digits into shards under `directory`, serve them over HTTP until `stack` closes; return the
+    manifest's URL and the servers' warmup-cosine schedule flags, sized to the versions the workers will make
+    (with their --epochs and --batch-size among `worker_args`)."""
+    from worker.cli import build_parser
+    from worker.fileserver import FileServer
+    from worker.prepare import PrepareConfig, prepare
+    from worker.stream import StreamedDataset
+
+    shards = 4 * workers
+    print(f"$ ps-prepare digits --out {directory} --shards {shards}", flush=True)
+    prepare("digits", PrepareConfig(out=directory, shards=shards, progress=not quiet))
+    server = stack.enter_context(FileServer(directory))
+    url = f"{server.url}/manifest.json"
+    print(f"$ python -m http.server --directory {directory}   (serving {url})", flush=True)
+    run, _ = build_parser().parse_known_args(worker_args)
+    per_epoch = -(-StreamedDataset(url).samples_per_epoch(workers) // run.batch_size)
+    versions = run.steps or per_epoch * run.epochs  # a sync round makes one version
+    warmup = max(1, versions // 20)
+    schedule = [
+        "--lr",
+        "2e-3",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-versions",
+        str(warmup),
+        "--decay-versions",
+        str(versions - warmup),
+        "--min-lr",
+        "1e-4",
+    ]
+    return url, schedule
+
+
+def _run(args: argparse.Namespace, server_cmd: list[str], extra: list[str]) -> int:
+    print(f"$ ps-server {' '.join(server_cmd[5:])}", flush=True)
     server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
     workers: list[subprocess.Popen[bytes]] = []
     results: list[dict[str, object]] = []

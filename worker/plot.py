@@ -6,7 +6,8 @@ from paramserver.files import atomic_write
 
 
 def plot_history(history: dict[str, list[float]], path: str, title: str = "") -> None:
-    """Draw the training loss per step and the test accuracy per epoch against wall time into `path`."""
+    """Draw the training loss per step and the test accuracy (a regression: the test loss) per epoch against wall time
+    into `path`."""
     try:
         import matplotlib
 
@@ -21,9 +22,14 @@ def plot_history(history: dict[str, list[float]], path: str, title: str = "") ->
     loss_ax.set_ylabel("training loss (per step)", color="tab:blue")
     loss_ax.set_yscale("log")
     acc_ax = loss_ax.twinx()
-    acc_ax.plot(history["eval_time"], history["accuracy"], color="tab:orange", marker="o", label="test accuracy")
-    acc_ax.set_ylabel("held-out accuracy (per epoch)", color="tab:orange")
-    acc_ax.set_ylim(0, 1)
+    if history["accuracy"] or not history.get("test_loss"):
+        acc_ax.plot(history["eval_time"], history["accuracy"], color="tab:orange", marker="o", label="test accuracy")
+        acc_ax.set_ylabel("held-out accuracy (per epoch)", color="tab:orange")
+        acc_ax.set_ylim(0, 1)
+    else:  # a regression: no accuracy, its mean test loss instead
+        acc_ax.plot(history["eval_time"], history["test_loss"], color="tab:orange", marker="o", label="test loss")
+        acc_ax.set_ylabel("held-out loss (per epoch)", color="tab:orange")
+        acc_ax.set_yscale("log")
     if title:
         loss_ax.set_title(title)
     fig.tight_layout()

@@ -9,11 +9,13 @@ worker that restarts starts at that position, and shards before it are skipped u
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +41,7 @@ class StreamedDataset:
             raise ValueError(f"prefetch must be at least 1 shard, not {prefetch}")
         self.manifest: Manifest = load_manifest(spec)
         self.prefetch = prefetch
+        self._reader: _Reader | None = None  # the training split's, running on into the next epoch
         self.waited = 0.0  # seconds the training loop spent waiting for data (storage not keeping up)
         self.fetched = 0  # shards read
 
@@ -104,33 +107,78 @@ class StreamedDataset:
         return parts
 
     def batches(
-        self, rank: int, world: int, batch_size: int, *, seed: int, epoch: int, start: int = 0, ids: bool = False
-    ) -> Iterator[tuple[torch.Tensor, ...]]:
-        """(x, y) batches (with each sample's id after them when `ids`) of this rank's samples of `epoch` from
-        sample `start` on; the epoch's last batch may be short."""
+        self, rank: int, world: int, batch_size: int, *, seed: int, epoch: int, start: int = 0
+    ) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+        """(x, y) batches of this rank's samples of `epoch` from sample `start` on; the epoch's last batch may be
+        short. Close the generator to stop its prefetch early."""
+        return self._pairs(self.batches_with_ids(rank, world, batch_size, seed=seed, epoch=epoch, start=start))
+
+    def batches_with_ids(
+        self, rank: int, world: int, batch_size: int, *, seed: int, epoch: int, start: int = 0
+    ) -> Generator[tuple[torch.Tensor, torch.Tensor, torch.Tensor], None, None]:
+        """As `batches`, with each sample's id (its index in the split) after x and y."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        return self._batches(self.plan(rank, world, seed=seed, epoch=epoch, start=start), batch_size, ids)
+        parts = len(self.plan(rank, world, seed=seed, epoch=epoch, start=start))
+        key = (rank, world, seed)
+        reader = self._reader
+        if reader is None or reader.key != key or reader.position != (epoch, 0) or start:
+            # Not where the running reader is (the first epoch, a resumed or an abandoned one): start one here.
+            self.close()
 
-    def test_batches(self, batch_size: int = 1024) -> Iterator[tuple[torch.Tensor, ...]]:
-        """(x, y) batches of the whole test split, in order."""
+            def epochs() -> Iterator[tuple[int, Part]]:
+                for e in itertools.count(epoch):
+                    for part in self.plan(rank, world, seed=seed, epoch=e, start=start if e == epoch else 0):
+                        yield e, part
+
+            reader = self._reader = _Reader(self, key, (epoch, 0), epochs())
+        return self._batches(reader, parts, batch_size, epoch=epoch)
+
+    def test_batches(self, batch_size: int = 1024) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+        """(x, y) batches of the whole test split, in order (read ahead on a reader of their own)."""
         test = self.manifest.splits.get("test")
         parts = [Part(s, np.arange(s.samples)) for s in test.shards] if test else []
-        return self._batches(parts, batch_size, False)
+        reader = _Reader(self, None, (0, 0), ((0, p) for p in parts))
+        return self._pairs(self._batches(reader, len(parts), batch_size, own=True))
 
-    def _batches(self, parts: list[Part], batch_size: int, ids: bool) -> Iterator[tuple[torch.Tensor, ...]]:
+    def close(self) -> None:
+        """Stop the reader that reads ahead (into the next epoch too); a later `batches` starts another."""
+        if self._reader is not None:
+            self._reader.stop()
+            self._reader = None
+
+    @staticmethod
+    def _pairs(
+        batches: Generator[tuple[torch.Tensor, torch.Tensor, torch.Tensor], None, None],
+    ) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+        with contextlib.closing(batches):
+            for x, y, _ in batches:
+                yield x, y
+
+    def _batches(
+        self, reader: _Reader, parts: int, batch_size: int, epoch: int = 0, own: bool = False
+    ) -> Generator[tuple[torch.Tensor, torch.Tensor, torch.Tensor], None, None]:
+        """Batches of the next `parts` parts the reader brings (`epoch`'s); `own`: stop the reader after them."""
         pending: list[tuple[np.ndarray, ...]] = []
         held = 0
-        with _Prefetcher(self, parts) as fetched:
-            for columns in fetched:
+        try:
+            reader.position = (epoch, 0)
+            for _ in range(parts):
+                columns = reader.take()
                 pending.append(columns)
                 held += len(columns[0])
                 while held >= batch_size:
                     batch, pending = _take(pending, batch_size)
                     held -= batch_size
-                    yield _tensors(batch, ids)
+                    yield _tensors(batch)
+            reader.position = (epoch + 1, 0)  # taken whole: the reader is at the next epoch's first part
             if held:
-                yield _tensors(_take(pending, held)[0], ids)
+                yield _tensors(_take(pending, held)[0])
+        finally:
+            if reader.position != (epoch + 1, 0):
+                reader.position = (-1, -1)  # left mid-epoch: no later call may take up where it stopped
+            if own:
+                reader.stop()
 
     def read(self, part: Part) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One shard's (x, y, id) rows in the part's order, checked against the manifest."""
@@ -188,33 +236,45 @@ def _take(pending: list[tuple[np.ndarray, ...]], n: int) -> tuple[list[tuple[np.
     return out, rest
 
 
-def _tensors(pieces: list[tuple[np.ndarray, ...]], ids: bool) -> tuple[torch.Tensor, ...]:
-    x = np.concatenate([p[0] for p in pieces]) if len(pieces) > 1 else pieces[0][0]
-    y = np.concatenate([p[1] for p in pieces]) if len(pieces) > 1 else pieces[0][1]
-    out = (torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), torch.from_numpy(np.ascontiguousarray(y)))
-    if ids:
-        return (*out, torch.from_numpy(np.concatenate([p[2] for p in pieces])))
-    return out
+def _tensors(pieces: list[tuple[np.ndarray, ...]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, y, ident = (np.concatenate(c) if len(c) > 1 else c[0] for c in zip(*pieces, strict=True))
+    return (
+        torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
+        torch.from_numpy(np.ascontiguousarray(y)),
+        torch.from_numpy(np.ascontiguousarray(ident)),
+    )
 
 
-_DONE = object()
+class _Reader:
+    """Reads parts in order on a background thread, at most `prefetch` shards ahead of the consumer: from one
+    position on through consecutive epochs, so that a new epoch's first shards are read while the last one's
+    batches train (no stall at each epoch's start). `position` is the (epoch, part) the next `take` returns, as
+    far as the consumer knows: (epoch + 1, 0) once it took an epoch whole."""
 
-
-class _Prefetcher:
-    """Reads the parts in order on a background thread, at most `prefetch` shards ahead of the consumer."""
-
-    def __init__(self, dataset: StreamedDataset, parts: list[Part]) -> None:
+    def __init__(
+        self, dataset: StreamedDataset, key: object, position: tuple[int, int], parts: Iterator[tuple[int, Part]]
+    ) -> None:
+        self.key = key
+        self.position = position
         self._dataset = dataset
         self._parts = parts
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=dataset.prefetch)
+        self._queue: queue.Queue[tuple[int, object]] = queue.Queue(maxsize=dataset.prefetch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ps-prefetch", daemon=True)
-
-    def __enter__(self) -> Iterator[tuple[np.ndarray, ...]]:
         self._thread.start()
-        return self._items()
 
-    def __exit__(self, *exc: object) -> None:
+    def take(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The next part's rows (waiting for them, the wait counted in the dataset's `waited`)."""
+        began = time.perf_counter()
+        epoch, item = self._queue.get()
+        self._dataset.waited += time.perf_counter() - began
+        if isinstance(item, BaseException):
+            raise item
+        if item is None or epoch != self.position[0]:  # the consumer asked for more parts than it planned
+            raise RuntimeError(f"the dataset's reader is out of step: epoch {epoch}, expected {self.position}")
+        return item  # type: ignore[return-value]
+
+    def stop(self) -> None:
         self._stop.set()
         while self._thread.is_alive():  # free a put blocked on a full queue
             try:
@@ -222,34 +282,24 @@ class _Prefetcher:
             except queue.Empty:
                 self._thread.join(0.05)
 
-    def _items(self) -> Iterator[tuple[np.ndarray, ...]]:
-        while True:
-            began = time.perf_counter()
-            item = self._queue.get()
-            self._dataset.waited += time.perf_counter() - began
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item  # type: ignore[misc]
-
     def _run(self) -> None:
+        epoch = self.position[0]
         try:
-            for part in self._parts:
+            for epoch, part in self._parts:
                 if self._stop.is_set():
                     return
-                item: object = self._dataset.read(part)
+                rows = self._dataset.read(part)
                 self._dataset.fetched += 1
-                self._put(item)
+                self._put(epoch, rows)
         except BaseException as exc:  # handed to the training loop, which raises it
-            self._put(exc)
+            self._put(epoch, exc)
             return
-        self._put(_DONE)
+        self._put(epoch, None)
 
-    def _put(self, item: object) -> None:
+    def _put(self, epoch: int, item: object) -> None:
         while not self._stop.is_set():
             try:
-                self._queue.put(item, timeout=0.1)
+                self._queue.put((epoch, item), timeout=0.1)
                 return
             except queue.Full:
                 continue

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,11 +21,26 @@ from paramserver.files import atomic_write
 from paramserver.security import read_token
 from paramserver.wire import dtypes
 from worker.client import PSClient, Tensors
-from worker.data import Dataset, batches, load_dataset, shard_for_rank, steps_per_epoch
+from worker.data import Dataset, batches_in_order, open_dataset, steps_per_epoch
+from worker.losses import (
+    LOSSES,
+    LossStep,
+    Step,
+    check_loss_spec,
+    check_step_spec,
+    default_loss,
+    mean_loss,
+    resolve_loss,
+    resolve_step,
+)
 from worker.models import BUILTIN_MODELS, build_model
 from worker.overlap import Overlap
+from worker.precision import PRECISIONS, MixedPrecision
+from worker.stream import StreamedDataset
 
 log = logging.getLogger(__name__)
+
+_EVAL_BATCH = 1024  # samples per forward pass when evaluating (no gradient is kept, so larger than a step's)
 
 
 @dataclass(frozen=True)
@@ -36,8 +53,16 @@ class TrainConfig:
     )
     dataset: str = config_field(
         "digits",
-        "dataset: digits (scikit-learn's handwritten digits), synthetic, or "
-        "PATH.npz with x_train, y_train, x_test, y_test",
+        "dataset: digits (scikit-learn's handwritten digits), synthetic (both classification), diabetes "
+        "(scikit-learn's, a regression, standardised), or PATH.npz with x_train, y_train, x_test, y_test (integer y: "
+        "class labels; float y of shape (N,) or (N, k): regression targets, the model built with k outputs), or "
+        "a dataset ps-prepare wrote: its directory or its manifest's URL (file://, s3://, hdfs://, http(s)://), "
+        "streamed: each worker reads the shards of its rank",
+    )
+    prefetch: int = config_field(
+        2,
+        "prepared datasets: shards to fetch and decode ahead of the step, on a thread of their own (the worker "
+        "holds about this many shards in memory)",
     )
     epochs: int = config_field(10, "passes over this worker's part of the training data")
     steps: int | None = config_field(None, "train exactly this many steps instead of --epochs")
@@ -80,6 +105,28 @@ class TrainConfig:
         "split each batch into this many micro-batches, one forward/backward each, their gradients summed into "
         "the batch's before the push (the same gradient as the whole batch, in a fraction of the activation memory)",
     )
+    loss: str = config_field(
+        "auto",
+        f"what each step minimises: {', '.join(LOSSES)} (auto: cross_entropy for a classification dataset, mse "
+        "for a regression), or package.module:fn, your fn(outputs, targets) -> the batch's mean loss as a scalar "
+        "tensor, given the model's outputs in float32 (a single output column against (N,) targets as (N,))",
+    )
+    train_step: str | None = config_field(
+        None,
+        "package.module:fn, your whole step fn(model, x, y) -> the batch's mean loss as a scalar tensor, for a model "
+        "whose forward is not model(x) or a loss that needs more than its outputs (replaces --loss; runs under "
+        "--precision's autocast; the worker still does backward, --accumulate, --clip-grad-norm and loss scaling). "
+        "Evaluation then reports its mean loss over the test split, no accuracy",
+    )
+    precision: str = config_field(
+        "float32",
+        "the forward pass's precision: float32, or torch.autocast to bfloat16 or float16 (parameters, gradients and "
+        "the shards' weights stay float32). float16 also scales the loss (dynamically) and unscales the gradient "
+        "before clipping and the push; where the scaled gradient overflows, the step is computed again at half the "
+        "scale, so no Inf is pushed and no step lost. Only a loss that is itself NaN or Inf, or a gradient that "
+        "overflows at scale 1, pushes a zero gradient, with a warning (skipped_steps in the metrics)",
+        choices=PRECISIONS,
+    )
     overlap: bool = config_field(
         False,
         "async and ssp jobs: send each step's gradient and receive the next weights while the next step computes, "
@@ -108,19 +155,24 @@ class TrainConfig:
     auth_token_file: str | None = config_field(None, "file holding the job's shared bearer token")
     metrics_out: str | None = config_field(None, "write a JSON summary of the run to this file")
     plot: str | None = config_field(
-        None, "draw loss and test accuracy over time into this PNG (needs matplotlib: pip install 'paramserver[plot]')"
+        None,
+        "draw the loss and the test accuracy (classification) over time into this PNG (needs matplotlib: pip install "
+        "'paramserver[plot]')",
     )
     save_model: str | None = config_field(None, "save the trained weights as a torch state_dict to this file")
     tensorboard: str | None = config_field(
         None,
         "write TensorBoard scalars into this directory (worker-RANK/ under it): loss, samples/s, exchange seconds "
-        "and staleness each step, test accuracy each epoch (needs tensorboard: pip install 'paramserver[tensorboard]')",
+        "and staleness each step, test loss (and, classification, test accuracy) each epoch (needs tensorboard: "
+        "pip install 'paramserver[tensorboard]')",
     )
     progress: bool = config_field(True, "show a progress bar")
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
             raise ValueError(f"epochs must be at least 1, not {self.epochs}")
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1 shard, not {self.prefetch}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be at least 1, not {self.steps}")
         if self.batch_size < 1:
@@ -131,6 +183,13 @@ class TrainConfig:
             raise ValueError(f"clip-grad-norm must be positive, not {self.clip_grad_norm}")
         if not 1 <= self.accumulate <= self.batch_size:
             raise ValueError(f"accumulate must be in [1, batch-size], not {self.accumulate}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
+        check_loss_spec(self.loss)
+        if self.train_step is not None:
+            check_step_spec(self.train_step)
+            if self.loss != "auto":
+                raise ValueError(f"--train-step computes its own loss: leave --loss auto, not {self.loss!r}")
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -148,16 +207,56 @@ def resolve_device(spec: str) -> torch.device:
 
 @torch.no_grad()
 def evaluate(
+    model: torch.nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    *,
+    task: str = "classification",
+    step: Step | None = None,
+) -> dict[str, float]:
+    """Return the metrics of `model` over a held-out split fed as (x, y) batches (any iterable, so a split that is
+    streamed works as well as tensors cut by data.batches_in_order), each batch's mean loss weighted by its size:
+
+    classification: test_accuracy and test_loss; regression: test_loss and test_mse (over all targets). The loss is
+    the job's `step` (default: --loss auto's for `task`); a user's --train-step gives test_loss only, since its
+    forward pass need not be model(x). Runs in float32 whatever --precision, so the numbers do not depend on it.
+    """
+    step = step if step is not None else LossStep(resolve_loss("auto", task))
+    training = model.training
+    model.eval()
+    samples, correct, loss_sum, squares, targets = 0, 0, 0.0, 0.0, 0
+    try:
+        for xb, yb in batches:
+            xb, yb = xb.to(device), yb.to(device)
+            if isinstance(step, LossStep):
+                outputs = model(xb)
+                loss = step.on_outputs(outputs, yb)
+                if task == "classification":
+                    correct += int((outputs.argmax(1) == yb).sum())
+                else:
+                    predicted = outputs.float().reshape(yb.shape) if outputs.numel() == yb.numel() else None
+                    if predicted is not None:
+                        squares += float(F.mse_loss(predicted, yb.float(), reduction="sum"))
+                        targets += yb.numel()
+            else:
+                loss = step(model, xb, yb)
+            loss_sum += float(mean_loss(loss, _named(step))) * len(xb)
+            samples += len(xb)
+    finally:
+        model.train(training)
+    metrics = {"test_loss": loss_sum / samples if samples else math.nan}
+    if isinstance(step, LossStep) and task == "classification":
+        metrics["test_accuracy"] = correct / max(1, samples)
+    elif isinstance(step, LossStep) and targets:
+        metrics["test_mse"] = squares / targets
+    return metrics
+
+
+def accuracy_of(
     model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, batch_size: int = 1024
 ) -> float:
-    """Return the accuracy of `model` on (x, y)."""
-    model.eval()
-    correct = 0
-    for i in range(0, len(x), batch_size):
-        logits = model(x[i : i + batch_size].to(device))
-        correct += int((logits.argmax(1).cpu() == y[i : i + batch_size]).sum())
-    model.train()
-    return correct / max(1, len(x))
+    """Return the classification accuracy of `model` on the tensors (x, y)."""
+    return evaluate(model, batches_in_order(x, y, batch_size), device)["test_accuracy"]
 
 
 def save_state_dict(model: torch.nn.Module, path: str) -> None:
@@ -222,26 +321,98 @@ def _overlap(
     return Overlap(model, exchange)
 
 
+_CROSS_ENTROPY = LossStep(F.cross_entropy)
+
+
 def compute_gradients(
     model: torch.nn.Module,
     xb: torch.Tensor,
     yb: torch.Tensor,
     accumulate: int = 1,
     clip_grad_norm: float | None = None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    *,
+    step: Step = _CROSS_ENTROPY,
+    precision: MixedPrecision | None = None,
 ) -> float:
     """Leave the gradient of the batch's mean loss on the model's parameters, computed over `accumulate`
     micro-batches (each loss weighted by its share of the batch, so the sum is the whole batch's gradient), then
-    clipped to `clip_grad_norm` over the whole model as torch.nn.utils.clip_grad_norm_ does; return the loss."""
-    model.zero_grad(set_to_none=False)
-    total = 0.0
-    for xm, ym in zip(torch.chunk(xb, accumulate), torch.chunk(yb, accumulate), strict=True):
-        loss = loss_fn(model(xm), ym) * (len(xm) / len(xb))
-        loss.backward()
-        total += loss.item()
+    clipped to `clip_grad_norm` over the whole model as torch.nn.utils.clip_grad_norm_ does; return the loss.
+
+    `step(model, x, y)` gives a micro-batch's mean loss (losses.LossStep: a loss on model(x)). With `precision`, it
+    runs under autocast, and with its loss scaler the gradient is unscaled before clipping: a float32 gradient
+    without Inf or NaN, recomputed at a lower scale where the scaled one overflowed (see worker/precision.py; only
+    a non-finite loss, or an overflow at the lowest scale, leaves a zero gradient instead)."""
+    scaler = precision.scaler if precision is not None else None
+    # A step computed again must leave the buffers (BatchNorm's running statistics) as one step does.
+    buffers = list(model.buffers()) if scaler is not None else []
+    saved = [b.detach().clone() for b in buffers]
+    while True:
+        total = _backward(model, xb, yb, accumulate, step, precision)
+        if scaler is None:
+            break
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        loss_finite = math.isfinite(total)
+        if loss_finite and scaler.unscale(grads):
+            scaler.update(finite=True)
+            break
+        if loss_finite and scaler.can_back_off():
+            scaler.update(finite=False)
+            log.debug("float16 gradient overflowed; computing the step again at loss scale %g", scaler.scale)
+            with torch.no_grad():
+                for b, value in zip(buffers, saved, strict=True):
+                    b.copy_(value)
+            continue
+        # No scale cures this step: push a zero gradient rather than stall a sync round or have the shards refuse it.
+        for g in grads:
+            g.zero_()
+        scaler.skipped += 1
+        log.warning(
+            "step skipped (a zero gradient pushed): %s at loss scale %g",
+            "the loss is not finite" if not loss_finite else "the gradient is not finite even",
+            scaler.scale,
+        )
+        break
     if clip_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
     return total
+
+
+def _backward(
+    model: torch.nn.Module,
+    xb: torch.Tensor,
+    yb: torch.Tensor,
+    accumulate: int,
+    step: Step,
+    precision: MixedPrecision | None,
+) -> float:
+    """One forward and backward per micro-batch into zeroed gradients (scaled, with a loss scaler); the loss."""
+    model.zero_grad(set_to_none=False)
+    scaler = precision.scaler if precision is not None else None
+    named = _named(step)
+    total = 0.0
+    for xm, ym in zip(torch.chunk(xb, accumulate), torch.chunk(yb, accumulate), strict=True):
+        if precision is None:
+            raw = step(model, xm, ym)
+        else:
+            with precision.autocast():
+                raw = step(model, xm, ym)
+        loss = mean_loss(raw, named)
+        if not loss.requires_grad:
+            raise ValueError(
+                f"{named} returned a loss that does not depend on the model's parameters "
+                "(computed under torch.no_grad(), or detached?)"
+            )
+        loss = loss * (len(xm) / len(xb))
+        (loss if scaler is None else scaler.scaled(loss)).backward()
+        total += loss.item()
+    return total
+
+
+def _named(step: Step) -> str:
+    """The user's function in an error message."""
+    fn: object = step.loss if isinstance(step, LossStep) else step
+    name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+    return f"the loss {name}" if isinstance(step, LossStep) else f"the training step {name}"
 
 
 def _board(directory: str | None, rank: int) -> Any:
@@ -257,16 +428,35 @@ def _board(directory: str | None, rank: int) -> Any:
     return SummaryWriter(log_dir=f"{directory}/worker-{rank}")
 
 
+def resume_step(data: Dataset | StreamedDataset, client: PSClient, total: int) -> int:
+    """The step a worker starts at: where the job is, for a prepared dataset. A sync round makes one version and
+    takes one batch of every worker, so the servers' version is each worker's position in its data, exactly: a
+    worker that restarts neither reads a batch again nor skips one. In async and ssp jobs the version counts every
+    worker's pushes, and its share (version // workers) is an estimate. An in-memory dataset starts at 0."""
+    if not isinstance(data, StreamedDataset):
+        return 0
+    version = min(client.versions)
+    return min(total, version if client.mode == "sync" else version // max(1, client.world_size))
+
+
 def train(
-    config: TrainConfig, dataset: Dataset | None = None, on_step: Callable[[int, float], None] | None = None
+    config: TrainConfig,
+    dataset: Dataset | StreamedDataset | None = None,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> dict[str, Any]:
     """Join the job, train until the steps are done, evaluate on the held-out split, leave; return the metrics."""
     torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
-    data = dataset or load_dataset(config.dataset)
+    data = dataset or open_dataset(config.dataset, config.prefetch)
+    # Resolved before joining the job, so a bad --loss, --train-step or --precision fails at once.
+    step_fn = resolve_step(config.train_step) if config.train_step else LossStep(resolve_loss(config.loss, data.task))
+    precision = MixedPrecision.for_device(config.precision, device)
     # The same seed on every worker gives the same initial weights, so whichever registers first is fine.
     torch.manual_seed(config.seed)
     model = build_model(config.model, in_shape=data.in_shape, num_classes=data.num_classes).to(device)
+
+    def test_metrics() -> dict[str, float]:
+        return evaluate(model, data.test_batches(_EVAL_BATCH), device, task=data.task, step=step_fn)
 
     token = read_token(config.auth_token_file) if config.auth_token_file else None
     history: dict[str, list[float]] = {
@@ -275,7 +465,8 @@ def train(
         "loss": [],
         "eval_time": [],
         "eval_step": [],
-        "accuracy": [],
+        "accuracy": [],  # classification only
+        "test_loss": [],
     }
     with PSClient(
         config.server,
@@ -293,16 +484,21 @@ def train(
         auth_token=token,
     ) as client:
         client.register(model)
-        x, y = shard_for_rank(data.x_train, data.y_train, client.rank, client.world_size)
-        per_epoch = steps_per_epoch(len(x), config.batch_size)
+        rank, world = client.rank, client.world_size
+        share = data.samples_per_epoch(world)
+        if share == 0:
+            raise ValueError(f"{data.name} cannot be shared by {world} workers: each would get no sample")
+        per_epoch = steps_per_epoch(share, config.batch_size)
         total = config.steps if config.steps is not None else config.epochs * per_epoch
+        first = resume_step(data, client, total)
         log.info(
-            "worker %s: rank %d of %d, %s mode, %d samples, %d steps on %s",
+            "worker %s: rank %d of %d, %s mode, %d samples an epoch, steps %d to %d on %s",
             client.worker_id[:8],
-            client.rank,
-            client.world_size,
+            rank,
+            world,
             client.mode,
-            len(x),
+            share,
+            first,
             total,
             device,
         )
@@ -313,6 +509,7 @@ def train(
 
             bar = tqdm(
                 total=total,
+                initial=first,
                 desc=f"worker {client.rank}",
                 position=client.rank,
                 unit="step",
@@ -320,7 +517,7 @@ def train(
                 mininterval=0.25,
                 leave=True,
             )
-        step, samples, stale, loss_value = 0, 0, 0, float("nan")
+        step, samples, stale, loss_value = first, 0, 0, float("nan")
 
         def exchange(target: Tensors) -> bool:
             return _exchange(client, target, config.round_timeout)
@@ -329,46 +526,58 @@ def train(
         board = _board(config.tensorboard, client.rank)
         started_at, start = time.time(), time.perf_counter()
         try:
-            epoch = 0
+            epoch, offset = divmod(step, per_epoch)
             while step < total:
-                for xb, yb in batches(x, y, config.batch_size, seed=config.seed + client.rank, epoch=epoch):
-                    if step >= total:
-                        break
-                    xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
-                    began = time.perf_counter()
-                    loss_value = compute_gradients(model, xb, yb, config.accumulate, config.clip_grad_norm)
-                    seen = min(client.versions)
-                    exchanged = time.perf_counter()
-                    stale += exchange(model) if overlap is None else bool(overlap.step())
-                    step += 1
-                    samples += len(xb)
-                    if board is not None:
-                        done = time.perf_counter()
-                        board.add_scalar("loss", loss_value, step)
-                        board.add_scalar("samples_per_second", len(xb) / max(done - began, 1e-9), step)
-                        board.add_scalar("exchange_seconds", done - exchanged, step)
-                        # Updates applied by other workers between this worker's pull and its push's version.
-                        board.add_scalar("staleness", max(0, min(client.versions) - seen - 1), step)
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
-                    if on_step is not None:
-                        on_step(step, loss_value)
-                    if config.plot:
-                        history["time"].append(time.perf_counter() - start)
-                        history["step"].append(step)
-                        history["loss"].append(loss_value)
+                epoch_batches = data.batches(
+                    rank, world, config.batch_size, seed=config.seed, epoch=epoch, start=offset * config.batch_size
+                )
+                offset = 0
+                with contextlib.closing(epoch_batches):  # a streamed epoch left early stops its prefetch
+                    for xb, yb in epoch_batches:
+                        if step >= total:
+                            break
+                        xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+                        began = time.perf_counter()
+                        loss_value = compute_gradients(
+                            model, xb, yb, config.accumulate, config.clip_grad_norm, step=step_fn, precision=precision
+                        )
+                        seen = min(client.versions)
+                        exchanged = time.perf_counter()
+                        stale += exchange(model) if overlap is None else bool(overlap.step())
+                        step += 1
+                        samples += len(xb)
+                        if board is not None:
+                            done = time.perf_counter()
+                            board.add_scalar("loss", loss_value, step)
+                            board.add_scalar("samples_per_second", len(xb) / max(done - began, 1e-9), step)
+                            board.add_scalar("exchange_seconds", done - exchanged, step)
+                            # Updates applied by other workers between this worker's pull and its push's version.
+                            board.add_scalar("staleness", max(0, min(client.versions) - seen - 1), step)
+                        if bar is not None:
+                            bar.update(1)
+                            bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
+                        if on_step is not None:
+                            on_step(step, loss_value)
+                        if config.plot:
+                            history["time"].append(time.perf_counter() - start)
+                            history["step"].append(step)
+                            history["loss"].append(loss_value)
                 epoch += 1
                 if config.plot or board is not None:
-                    accuracy = evaluate(model, data.x_test, data.y_test, device)
+                    tested = test_metrics()
                     history["eval_time"].append(time.perf_counter() - start)
                     history["eval_step"].append(step)
-                    history["accuracy"].append(accuracy)
+                    history["test_loss"].append(tested["test_loss"])
+                    if "test_accuracy" in tested:
+                        history["accuracy"].append(tested["test_accuracy"])
                     if board is not None:
-                        board.add_scalar("test_accuracy", accuracy, step)
+                        for name, value in tested.items():
+                            board.add_scalar(name, value, step)
             if overlap is not None:
                 stale += bool(overlap.finish())  # the weights of the last exchange
         finally:
+            if isinstance(data, StreamedDataset):
+                data.close()  # its reader reads on into an epoch that will not come
             if overlap is not None:
                 overlap.close()
             if bar is not None:
@@ -376,7 +585,8 @@ def train(
             if board is not None:
                 board.close()
         seconds = time.perf_counter() - start
-        accuracy = evaluate(model, data.x_test, data.y_test, device)
+        tested = test_metrics()
+        scaler = precision.scaler
         metrics = {
             "rank": client.rank,
             "world_size": client.world_size,
@@ -384,9 +594,12 @@ def train(
             "mode": client.mode,
             "model": config.model,
             "dataset": data.name,
+            "task": data.task,
+            "loss": config.train_step or (default_loss(data.task) if config.loss == "auto" else config.loss),
+            "precision": precision.name,
             "device": str(device),
             "batch_size": config.batch_size,
-            "steps": step,
+            "steps": step - first,  # this run's (from first_step on)
             "samples": samples,
             "seconds": round(seconds, 4),
             # Unix times of the training loop, to line workers up (e.g. a job's samples over its whole span).
@@ -394,9 +607,18 @@ def train(
             "finished_at": started_at + seconds,
             "samples_per_second": round(samples / seconds, 2) if seconds > 0 else 0.0,
             "final_loss": loss_value,
-            "test_accuracy": accuracy,
+            # None for a regression (and for a --train-step job): readers that print it must check.
+            "test_accuracy": tested.get("test_accuracy"),
+            **tested,
+            # float16: the loss scale reached, and the steps that pushed a zero gradient (see worker/precision.py).
+            "loss_scale": scaler.scale if scaler is not None else None,
+            "skipped_steps": scaler.skipped if scaler is not None else 0,
             "server_version": min(client.versions),
             "stale_pushes": stale,
+            # Where this worker began (a prepared dataset in a job already under way resumes at its position),
+            # and the seconds its steps waited for data from storage.
+            "first_step": first,
+            "input_wait_seconds": round(data.waited, 4) if isinstance(data, StreamedDataset) else 0.0,
             "config": asdict(config),
         }
         client.leave(finished=True)
