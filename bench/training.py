@@ -78,8 +78,8 @@ def _local_run(data: Any, params: dict[str, Any], msg: dict[str, Any]) -> dict[s
     import torch.nn.functional as F
 
     from worker.data import batches, shard_for_rank, steps_per_epoch
+    from worker.gradients import accuracy_of
     from worker.models import build_model
-    from worker.trainer import accuracy_of
 
     torch.manual_seed(0)  # the same initial weights as a ps run (seed 0)
     model = build_model(params["model"], in_shape=data.in_shape, num_classes=data.num_classes)

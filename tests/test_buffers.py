@@ -28,8 +28,9 @@ from paramserver.shard import checkpoint
 from paramserver.shard.state import Shard
 from worker import Overlap, PSClient
 from worker.data import load_dataset
+from worker.gradients import accuracy_of
 from worker.models import build_model
-from worker.trainer import TrainConfig, accuracy_of, train
+from worker.trainer import TrainConfig, train
 
 pytestmark = pytest.mark.timeout(180)
 

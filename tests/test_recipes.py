@@ -15,7 +15,8 @@ import torch
 from paramserver.config import ServerConfig
 from paramserver.server.cluster import LocalCluster
 from worker import PSClient
-from worker.trainer import TrainConfig, compute_gradients, train
+from worker.gradients import compute_gradients
+from worker.trainer import TrainConfig, train
 
 
 def _model() -> torch.nn.Module:

@@ -21,10 +21,11 @@ from paramserver.server.cluster import LocalCluster
 from worker import PSClient, precision
 from worker.cli import main as worker_main
 from worker.data import Dataset, batches_in_order, load_dataset
+from worker.gradients import compute_gradients, evaluate
 from worker.losses import LossStep, resolve_loss, resolve_step
 from worker.models import build_model
 from worker.precision import LossScaler, MixedPrecision
-from worker.trainer import TrainConfig, compute_gradients, evaluate, train
+from worker.trainer import TrainConfig, train
 
 CPU = torch.device("cpu")
 

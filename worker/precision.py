@@ -14,7 +14,7 @@ skipping the push would stall a sync round until the worker is evicted. So the s
 the scale, and again, until its gradient is finite (BatchNorm's running statistics put back first, so the step
 moves them once): at most log2(scale) times, since the scale never falls below 1. Only a step whose loss is itself
 not finite, or whose gradient overflows even at scale 1, which no scale cures, pushes a zero gradient instead,
-with a warning, counted in `skipped`. (trainer.compute_gradients runs this loop.)
+with a warning, counted in `skipped`. (gradients.compute_gradients runs this loop.)
 """
 
 # Depends on torch only.
