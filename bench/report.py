@@ -92,7 +92,7 @@ def markdown(doc: Doc) -> str:
         "",
     ]
     lines += _transport(ix, doc) + _baselines(ix) + _training(ix) + _memory(ix) + _sparse(ix)
-    lines += _replication(ix) + _link(ix)
+    lines += _replication(ix) + _link(ix) + _stream(ix)
     errors = {k: v["error"] for k, v in doc.get("sections", {}).items() if not v.get("ok")}
     if errors:
         lines += ["## Errors", ""] + [f"- **{k}**: {v}" for k, v in errors.items()] + [""]
@@ -675,6 +675,64 @@ def _link(ix: _Index) -> list[str]:
     return lines
 
 
+_STREAM_READERS = {
+    "local": "local disk, prefetch 2",
+    "prefetch": "HTTP, prefetch 2",
+    "sequential": "HTTP, no prefetch (read a shard, then compute)",
+    "slow": "HTTP, prefetch 2",
+}
+
+
+def _stream(ix: _Index) -> list[str]:
+    figs = ix.section("stream")
+    if not figs:
+        return []
+    p = figs[0]["params"]
+    lines = [
+        f"## Stream (CNN steps on {p['sample']} samples, batch {p['batch_size']}, one CPU thread, fed from "
+        f"{p['shards']} Parquet shards; storage and worker on hosts of their own: network namespaces, the storage "
+        "link limited by tbf)",
+        "",
+        f"Does prefetching hide the storage? The consumer takes {fmt(p['calibration_sps'])} samples/s from local disk "
+        f"in a calibration run, {fmt(p['data_rate_mbit'])} Mbit/s of shards at {fmt(p['bytes_per_sample'] / 1e3)} KB "
+        "a sample; the storage links are set to multiples of that. Target: streamed over a link that allows it "
+        f"≥ {p['target']}x local disk.",
+        "",
+    ]
+    rows = []
+    for f in figs:
+        q, e = f["params"], f.get("extra", {})
+        r = next(iter(f.get("ratios", {}).values()), None)
+        rate = f"{q['rate']} ({q['rate_x']:g}x)" if q.get("rate") else "—"
+        steady = e.get("ratio_after_first_batch")
+        after = f" ({fmt(steady, 'x')} after the first batch)" if steady else ""
+        rows.append(
+            [
+                _STREAM_READERS.get(q["run"], q["run"]),
+                rate,
+                fmt(f["median"]),
+                (fmt(r, "x") if r is not None else "") + after,
+                fmt(_median(e.get("first_batch_s", [])), " s"),
+                fmt(_median(e.get("waited_s", [])), " s"),
+                fmt(_median(e.get("cpu_s", [])), " s"),
+                fmt(e.get("link_use_median"), "x") if q.get("rate") else "",
+            ]
+        )
+    header = ["reader", "storage link", "samples/s", "÷ local disk", "first batch", "step waited", "CPU", "link use"]
+    slow_world = max(f["params"].get("world", 1) for f in figs)
+    lines += [
+        *_table(header, rows),
+        "",
+        f"Each pass: {p['samples']} samples (over the slower link: rank 0's of {slow_world}), timed whole from the "
+        "reader's start; medians of "
+        f"{len(figs[0]['repeats'])} interleaved passes. Step waited: time the steps spent waiting for data (the "
+        "first batch included); CPU: the consumer process's CPU time in the pass (all its threads); link use: shard "
+        "bytes per second over the link's rate (TCP/IP and HTTP headers take a few percent of it).",
+        "",
+    ]
+    return lines
+
+
 # The targets of the performance issue, as (label, figure id, how to read it, target, whether lower is better).
 README_BEGIN = "<!-- bench:summary:begin (written by `make bench` from bench/results/latest.json) -->"
 README_END = "<!-- bench:summary:end -->"
@@ -766,6 +824,14 @@ def summary(doc: Doc) -> str:
         rate = ix.get(fid)["params"]["rate"]  # type: ignore[index]
         r = ratio(fid, "link.sps.cnn.w1.async")
         row(f"CNN training over a {rate} link, 1 worker, async, with --overlap ÷ without", r, "x", "", None)
+    fid = "stream.sps.prefetch"
+    if ix.get(fid) is not None:
+        p = ix.get(fid)["params"]  # type: ignore[index]
+        r = ratio(fid, "stream.sps.local")
+        what = f"CNN steps fed over HTTP through a {p['rate']} link ({p['rate_x']:g}x their data rate), prefetch"
+        row(f"{what}, samples/s ÷ from local disk", r, "x", f"≥ {p['target']}x", check(r, p["target"], lower=False))
+        r = ratio("stream.sps.sequential", "stream.sps.local")
+        row("the same without prefetch ÷ from local disk", r, "x", "", None)
     for f in ix.section("replication"):
         p = f["params"]
         if f["id"].startswith("replication.rt.") and p["replicas"] == 2 and f["compare"]:

@@ -10,8 +10,10 @@ memory (peak RSS of the shards), sparse (a training step on 4,096 Zipf IDs of a 
 the same step in plain torch; IDs/s of one shard under 4 workers; a row table's memory and time against its size),
 replication (--replicas 2: the push + pull against one copy, failover and catch-up times, with a real etcd),
 link (training over a bandwidth-limited link between network namespaces, with and
-without ps-worker --overlap; needs root, else skipped). Everything runs on 127.0.0.1 or in the link section's own
-namespaces; every process started is stopped, and every namespace removed, at the end.
+without ps-worker --overlap; needs root, else skipped), stream (CNN steps fed from shards over HTTP through a
+bandwidth-limited link with and without prefetching, against local disk; needs root, else skipped). Everything runs
+on 127.0.0.1 or in the link and stream sections' own namespaces; every process started is stopped, and every
+namespace removed, at the end.
 Set GLIBC_TUNABLES (e.g. glibc.malloc.hugetlb=1) in the environment to measure another malloc setting; the
 value in effect is recorded with the results.
 """
@@ -33,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python bench/run.py` puts bench/, not the repository, on sys.path
     sys.path.insert(0, str(ROOT))
 
-from bench import baselines, link, memory, replication, report, sparse, training, transport  # noqa: E402
+from bench import baselines, link, memory, replication, report, sparse, stream, training, transport  # noqa: E402
 from bench.common import Figure, Plan, Processes, log, machine_facts, write_atomic  # noqa: E402
 
 SECTIONS = {
@@ -44,6 +46,7 @@ SECTIONS = {
     "sparse": sparse.run,
     "replication": replication.run,
     "link": link.run,
+    "stream": stream.run,
 }
 DEFAULT_OUT = ROOT / "bench" / "results"
 

@@ -1,5 +1,6 @@
-"""The benchmark's link section on tiny sizes: training and push_pull over a bandwidth-limited link between
-network namespaces (root only). Run by `make netns-test`, beside the multi-host tests:
+"""The benchmark's link and stream sections on tiny sizes: training and push_pull over a bandwidth-limited link
+between network namespaces, and a worker's data streamed over HTTP through one (root only). Run by
+`make netns-test`, beside the multi-host tests:
 
     sudo PS_MULTIHOST=1 .venv/bin/python -m pytest tests/test_bench_link.py -v
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,3 +42,30 @@ def test_quick_link_section_measures_overlap_and_pushes_in_turn(tmp_path: Path) 
         assert in_turn["ratios"].keys() == {f"link.step.4MB.s2.w1.{wire}.at-once", "link.gloo.4MB"}
     assert all(f["median"] > 0 for f in doc["figures"] if f["section"] == "link")
     assert "## Link" in (tmp_path / "latest.md").read_text()
+
+
+@pytest.mark.timeout(LIMIT_S)
+def test_quick_stream_section_measures_prefetch_over_a_limited_link(tmp_path: Path) -> None:
+    why = unavailable()
+    if why:
+        pytest.skip(f"the stream section cannot run here: {why}")
+    result = run_quick(tmp_path, ("stream",))
+    assert result.returncode == 0, result.stderr[-4000:]
+    doc = json.loads((tmp_path / "latest.json").read_text())
+    assert doc["sections"]["stream"]["ok"], doc["sections"]
+    by_id = {f["id"]: f for f in doc["figures"] if f["section"] == "stream"}
+    assert by_id.keys() == {f"stream.sps.{run}" for run in ("local", "prefetch", "sequential", "slow")}
+    # The 0.9x target is the full run's to report: a quick run on a shared machine is too noisy to judge it.
+    for run in ("prefetch", "sequential"):
+        assert by_id[f"stream.sps.{run}"]["ratios"].keys() == {"stream.sps.local"}
+        assert by_id[f"stream.sps.{run}"]["ratios"]["stream.sps.local"] > 0
+    for f in by_id.values():
+        assert f["repeats"] and all(x > 0 for x in f["repeats"]), f
+        assert f["median"] > 0, f["id"]
+    slow = by_id["stream.sps.slow"]
+    assert 0 < slow["extra"]["link_use_median"] < 1.5, slow["extra"]  # tbf holds the reader near the link's rate
+    assert "## Stream" in (tmp_path / "latest.md").read_text()
+    # The suite ran in a process of its own, now gone: any namespace named after a dead pid is one it left.
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.split()
+    left = [ns for ns in listed if (m := re.match(r"psnt(\d+)-", ns)) and not Path(f"/proc/{m.group(1)}").exists()]
+    assert not left, left
