@@ -76,6 +76,9 @@ class Session:
     tls_server_name: str | None
     joined: bool = False
     registered: Binding | None = None  # the model to re-initialise a shard with that lost it
+    # Set by PSClient.close: a call still in flight on another thread then ends at its first failure instead of
+    # retrying, joining again or re-initialising (a server that later takes the port would otherwise see it).
+    closed: bool = False
 
 
 @dataclass
@@ -400,6 +403,8 @@ class ShardLink:
                 except PSError as err:
                     failed = err
             exc, failed = failed, None
+            if s.closed:
+                raise exc
             if isinstance(exc, InitInProgress) and time.monotonic() + init_delay < deadline:
                 # Not a fault: another worker is registering the same model; it is held once that ends.
                 log.debug("shard %s is being initialised by another worker; asking again", self.address)

@@ -537,7 +537,8 @@ class PSClient:
         return results
 
     def close(self) -> None:
-        """Leave the job and close every channel."""
+        """Leave the job and close every channel; a call still in flight on another thread fails instead of
+        retrying."""
         self._closing.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
@@ -546,6 +547,7 @@ class PSClient:
         except PSError as exc:
             log.warning("leaving the job failed: %s", exc)
         finally:
+            self._session.closed = True  # after the leave, which may itself need a retry
             if self.links:
                 self._pool.shutdown(wait=True)
             for link in self.links:
