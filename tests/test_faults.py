@@ -337,7 +337,9 @@ _STALE_PULL_BUG = (
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("mode", "epochs"), [("sync", 15), ("async", 10)])
+# sync only (make test's time): an async shard killed and brought back from its log is test_durability's, and
+# make stress kills async and sync shards again and again.
+@pytest.mark.parametrize(("mode", "epochs"), [("sync", 15)])
 def test_shard_killed_and_restarted_restores_its_checkpoint_and_workers_carry_on(tmp_path, capfd, mode, epochs):
     ckpt = tmp_path / "ckpt"
     # A short pull_timeout: when a worker hangs (the bug above), the other one gives up sooner.
