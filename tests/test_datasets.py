@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -160,7 +161,8 @@ def test_a_dataset_streams_alike_from_disk_and_a_real_http_server(digits: Path) 
 
 @pytest.fixture
 def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A real S3-compatible server (moto's, on a free loopback port); s3fs finds it through AWS_ENDPOINT_URL."""
+    """A real S3-compatible server (moto's, on a free loopback port; s3fs finds it through AWS_ENDPOINT_URL) and
+    an empty bucket on it: "ENDPOINT BUCKET"."""
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
@@ -179,15 +181,36 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         import s3fs
 
         s3fs.S3FileSystem.clear_instance_cache()
-        s3fs.S3FileSystem().mkdir("datasets")
-        yield endpoint
+        bucket = f"datasets-{uuid.uuid4().hex[:12]}"  # moto's buckets outlive its server: one of its own a test
+        s3fs.S3FileSystem().mkdir(bucket)
+        yield f"{endpoint} {bucket}"
     finally:
         server.stop()
 
 
 def test_prepare_writes_to_s3_and_workers_stream_from_it(s3: str, digits: Path) -> None:
-    prepare("digits", PrepareConfig(out="s3://datasets/digits", shards=6, progress=False))
-    assert _ids(StreamedDataset("s3://datasets/digits"), 1, 3) == _ids(StreamedDataset(str(digits)), 1, 3)
+    bucket = s3.split()[1]
+    prepare("digits", PrepareConfig(out=f"s3://{bucket}/digits", shards=6, progress=False))
+    assert _ids(StreamedDataset(f"s3://{bucket}/digits"), 1, 3) == _ids(StreamedDataset(str(digits)), 1, 3)
+
+
+def test_s3_settings_from_the_sdks_files_as_the_kubernetes_component_mounts_them(
+    s3: str, digits: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """deploy/k8s/components/dataset-s3 gives the workers no environment but the paths of the AWS SDK's
+    credentials and config files (endpoint_url in the config, for a store other than AWS)."""
+    (tmp_path / "credentials").write_text("[default]\naws_access_key_id = test\naws_secret_access_key = test\n")
+    endpoint, bucket = s3.split()
+    (tmp_path / "config").write_text(f"[default]\nregion = us-east-1\nendpoint_url = {endpoint}\n")
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    prepare("digits", PrepareConfig(out=f"s3://{bucket}/digits", shards=6, progress=False))
+    assert _ids(StreamedDataset(f"s3://{bucket}/digits"), 2, 3) == _ids(StreamedDataset(str(digits)), 2, 3)
 
 
 def test_storage_that_cannot_be_reached_is_said_plainly(tmp_path: Path) -> None:

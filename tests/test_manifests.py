@@ -635,6 +635,27 @@ def test_the_servicemonitor_component_scrapes_every_shard(tmp_path: Path) -> Non
     assert any(args.metrics_port in {p["port"] for p in rule.get("ports", [])} for rule in policy["spec"]["ingress"])
 
 
+def test_the_dataset_s3_component_gives_the_workers_the_sdks_files_and_nothing_else(tmp_path: Path) -> None:
+    """components/dataset-s3: the workers read a prepared dataset on S3 with the AWS SDK's credentials and config
+    files from a Secret (tests/test_datasets.py streams from an S3 server configured by exactly these files)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = render_with_component("cpu", "servicemonitor", tmp_path / "a")
+    r = render_with_component("cpu", "dataset-s3", tmp_path / "b")
+    worker = containers(r.job(WORKER), init=False)[0]
+    env = {e["name"]: e for e in worker["env"]}
+    mounts = {m["name"]: m for m in worker["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod_spec(r.job(WORKER))["volumes"]}
+    assert volumes["dataset-s3"]["secret"]["secretName"] == "paramserver-dataset-s3"
+    assert mounts["dataset-s3"]["readOnly"] and mounts["dataset-s3"]["mountPath"] == "/etc/paramserver/s3"
+    assert env["AWS_SHARED_CREDENTIALS_FILE"]["value"] == "/etc/paramserver/s3/credentials"
+    assert env["AWS_CONFIG_FILE"]["value"] == "/etc/paramserver/s3/config"
+    before = containers(plain.job(WORKER), init=False)[0]
+    assert {e["name"] for e in before["env"]} <= set(env), "the worker's own settings are kept"
+    assert not any("valueFrom" in e and "secretKeyRef" in e["valueFrom"] for e in worker["env"]), "no secret in env"
+    assert pod_spec(r.job(SHARD)) == pod_spec(plain.job(SHARD)), "the shards do not read the dataset"
+
+
 # -- network policy, disruption budget ---------------------------------------------------------------------------
 
 
