@@ -102,12 +102,31 @@ def test_nproc_starts_that_many_workers_and_each_gets_its_rank(
 def test_tensorboard_scalars(ps_cluster_factory: Callable[..., LocalCluster], tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from worker.prepare import PrepareConfig, prepare
+
+    prepare("digits", PrepareConfig(out=str(tmp_path / "data"), shards=2, progress=False))  # streamed: its waits too
     cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="sgd", lr=0.1), 2)
-    train(TrainConfig(server=cluster.address, model="logreg", steps=5, progress=False, tensorboard=str(tmp_path)))
-    events = EventAccumulator(str(tmp_path / "worker-0"))
+    config = TrainConfig(
+        server=cluster.address,
+        dataset=str(tmp_path / "data"),
+        model="logreg",
+        steps=5,
+        progress=False,
+        tensorboard=str(tmp_path / "board"),
+    )
+    train(config)
+    events = EventAccumulator(str(tmp_path / "board" / "worker-0"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"loss", "samples_per_second", "exchange_seconds", "staleness", "test_accuracy"} <= tags
+    assert {
+        "loss",
+        "samples_per_second",
+        "exchange_seconds",
+        "staleness",
+        "input_wait_seconds",
+        "test_accuracy",
+    } <= tags
+    assert all(e.value >= 0 for e in events.Scalars("input_wait_seconds"))
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4, 5]
     assert all(e.value >= 0 for e in events.Scalars("exchange_seconds"))
     assert 0 <= events.Scalars("test_accuracy")[-1].value <= 1

@@ -160,8 +160,8 @@ class TrainConfig:
     tensorboard: str | None = config_field(
         None,
         "write TensorBoard scalars into this directory (worker-RANK/ under it): loss, samples/s, exchange seconds "
-        "and staleness each step, test loss (and, classification, test accuracy) each epoch (needs tensorboard: "
-        "pip install 'paramserver[tensorboard]')",
+        "and staleness each step (and the wait for a prepared dataset's shards), test loss (and, classification, "
+        "test accuracy) each epoch (needs tensorboard: pip install 'paramserver[tensorboard]')",
     )
     progress: bool = config_field(True, "show a progress bar")
 
@@ -367,6 +367,7 @@ def train(
                 leave=True,
             )
         step, samples, stale, loss_value = first, 0, 0, float("nan")
+        waited = 0.0  # the data's wait so far, for each step's share of it
 
         def exchange(target: Tensors) -> bool:
             return _exchange(client, target, config.round_timeout)
@@ -400,6 +401,9 @@ def train(
                             board.add_scalar("loss", loss_value, step)
                             board.add_scalar("samples_per_second", len(xb) / max(done - began, 1e-9), step)
                             board.add_scalar("exchange_seconds", done - exchanged, step)
+                            if isinstance(data, StreamedDataset):  # how long the step waited for storage
+                                board.add_scalar("input_wait_seconds", data.waited - waited, step)
+                                waited = data.waited
                             # Updates applied by other workers between this worker's pull and its push's version.
                             board.add_scalar("staleness", max(0, min(client.versions) - seen - 1), step)
                         if bar is not None:
