@@ -241,21 +241,27 @@ def _image_folder(root: Path, config: PrepareConfig) -> Arrays:
     mode = "RGB" if config.color == "rgb" else "L"
 
     def load(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+        files = [
+            (label, p)
+            for label, name in enumerate(classes)
+            if (folder / name).is_dir()
+            for p in sorted((folder / name).iterdir())
+            if p.suffix.lower() in _IMAGE_SUFFIXES
+        ]
+        if config.progress:  # decoding and resizing is the slow part of preparing an image folder
+            from tqdm import tqdm
+
+            files = tqdm(files, desc=f"reading {folder.name}", unit="image", dynamic_ncols=True)
         xs, ys = [], []
-        for label, name in enumerate(classes):
-            for p in sorted((folder / name).iterdir()) if (folder / name).is_dir() else []:
-                if p.suffix.lower() not in _IMAGE_SUFFIXES:
-                    continue
-                try:
-                    with Image.open(p) as img:
-                        pixels = img.convert(mode).resize(
-                            (config.image_size, config.image_size), Image.Resampling.BILINEAR
-                        )
-                except OSError as exc:
-                    raise ValueError(f"{p} is not an image Pillow can read: {exc}") from None
-                a = np.asarray(pixels, dtype=np.float32) / 255.0
-                xs.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))  # (C, H, W)
-                ys.append(label)
+        for label, p in files:
+            try:
+                with Image.open(p) as img:
+                    pixels = img.convert(mode).resize((config.image_size, config.image_size), Image.Resampling.BILINEAR)
+            except OSError as exc:
+                raise ValueError(f"{p} is not an image Pillow can read: {exc}") from None
+            a = np.asarray(pixels, dtype=np.float32) / 255.0
+            xs.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))  # (C, H, W)
+            ys.append(label)
         if not xs:
             raise ValueError(f"{folder} holds no images ({', '.join(sorted(_IMAGE_SUFFIXES))})")
         return np.stack(xs), np.array(ys, dtype=np.int64)
