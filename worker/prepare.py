@@ -17,6 +17,7 @@ import argparse
 import hashlib
 import logging
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -88,16 +89,20 @@ def prepare(source: str, config: PrepareConfig) -> Manifest:
     """Read `source`, preprocess it and write its shards and manifest under `config.out`; return the manifest."""
     if not config.out:
         raise ValueError("say where to write the dataset: --out DIR or URL")
-    arrays = read_source(source, config)
+    with tempfile.TemporaryDirectory(prefix="ps-prepare-") as scratch:
+        return _prepare(source, config, read_source(source, config, Path(scratch)))
+
+
+def _prepare(source: str, config: PrepareConfig, arrays: Arrays) -> Manifest:
     if config.shards > len(arrays.x_train):
         raise ValueError(f"{len(arrays.x_train)} training samples cannot fill {config.shards} shards")
     stats = _statistics(arrays.x_train) if config.normalize else None
     order = np.random.default_rng(_ORDER_SEED).permutation(len(arrays.x_train))  # shards of mixed classes
     test_shards = config.test_shards or max(1, config.shards // 10)
     test_shards = min(test_shards, max(1, len(arrays.x_test)))
-    plan = [("train", arrays.x_train[order], arrays.y_train[order], config.shards)]
+    plan = [("train", arrays.x_train, arrays.y_train, order, config.shards)]
     if len(arrays.x_test):
-        plan.append(("test", arrays.x_test, arrays.y_test, test_shards))
+        plan.append(("test", arrays.x_test, arrays.y_test, np.arange(len(arrays.x_test)), test_shards))
     bar = None
     if config.progress:
         from tqdm import tqdm
@@ -105,18 +110,22 @@ def prepare(source: str, config: PrepareConfig) -> Manifest:
         bar = tqdm(total=sum(n for *_, n in plan), desc="ps-prepare", unit="shard", dynamic_ncols=True)
     splits: dict[str, Split] = {}
     try:
-        for split, x, y, count in plan:
-            if stats is not None:
-                x = _normalise(x, *stats)
+        for split, x, y, rows, count in plan:
             files = []
-            for i, (lo, hi) in enumerate(_cuts(len(x), count)):
+            for i, (lo, hi) in enumerate(_cuts(len(rows), count)):
+                # One shard's rows at a time (in file order: an image folder's pixels are a file on disk), so
+                # memory holds a shard, not the split.
+                mine = np.sort(rows[lo:hi])
+                xs = _values(x[mine])
+                if stats is not None:
+                    xs = _normalise(xs, *stats)
                 name = f"{split}-{i:05d}-of-{count:05d}.parquet"
-                data = _encode(np.arange(lo, hi, dtype=np.int64), x[lo:hi], y[lo:hi], config.compression)
+                data = _encode(np.arange(lo, hi, dtype=np.int64), xs, y[mine], config.compression)
                 storage.write_bytes(storage.join(config.out, name), data)
                 files.append(ShardFile(name, hi - lo, len(data), hashlib.sha256(data).hexdigest()))
                 if bar is not None:
                     bar.update(1)
-            splits[split] = Split(len(x), tuple(files))
+            splits[split] = Split(len(rows), tuple(files))
     finally:
         if bar is not None:
             bar.close()
@@ -142,13 +151,15 @@ def prepare(source: str, config: PrepareConfig) -> Manifest:
     return manifest
 
 
-def read_source(source: str, config: PrepareConfig) -> Arrays:
-    """Read a source into memory: an image folder, a .csv/.parquet table, or anything `load_dataset` knows."""
+def read_source(source: str, config: PrepareConfig, scratch: Path) -> Arrays:
+    """Read a source: an image folder (its resized pixels into files under the directory `scratch`, which the
+    caller removes, as uint8 arrays mapped from disk), a .csv/.parquet table or anything `load_dataset` knows (in
+    memory)."""
     suffix = Path(source.split("?")[0]).suffix.lower()
     if suffix in (".csv", ".parquet"):
         return _table(source, config)
     if "://" not in source and Path(source).is_dir():
-        return _image_folder(Path(source), config)
+        return _image_folder(Path(source), config, scratch)
     from worker.data import load_dataset
 
     data = load_dataset(source)
@@ -179,9 +190,14 @@ def _split(
     x: np.ndarray, y: np.ndarray, config: PrepareConfig
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     order = np.random.default_rng(config.seed).permutation(len(x))
-    n_test = max(1, round(len(x) * config.test_fraction)) if len(x) > 1 else 0
+    n_test = _test_count(len(x), config)
     test, train = order[:n_test], order[n_test:]
     return x[train], y[train], x[test], y[test]
+
+
+def _test_count(n: int, config: PrepareConfig) -> int:
+    """How many of a source's n samples a source without a test split of its own holds out."""
+    return max(1, round(n * config.test_fraction)) if n > 1 else 0
 
 
 def _labels(values: np.ndarray, task: str, where: str) -> tuple[str, np.ndarray, int, tuple[str, ...]]:
@@ -229,7 +245,7 @@ def _table(source: str, config: PrepareConfig) -> Arrays:
     return Arrays(Path(path).stem, task, *_split(x, y, config), outputs, classes)
 
 
-def _image_folder(root: Path, config: PrepareConfig) -> Arrays:
+def _image_folder(root: Path, config: PrepareConfig, scratch: Path) -> Arrays:
     try:
         from PIL import Image
     except ImportError:
@@ -238,9 +254,10 @@ def _image_folder(root: Path, config: PrepareConfig) -> Arrays:
     classes = tuple(sorted(p.name for p in splits[0].iterdir() if p.is_dir()))
     if not classes:
         raise ValueError(f"{root} has no class folders: expected {root}/CLASS/IMAGE (or train/ and test/ above them)")
-    mode = "RGB" if config.color == "rgb" else "L"
+    mode, channels = ("RGB", 3) if config.color == "rgb" else ("L", 1)
+    size = config.image_size
 
-    def load(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+    def listed(folder: Path) -> list[tuple[int, Path]]:
         files = [
             (label, p)
             for label, name in enumerate(classes)
@@ -248,38 +265,70 @@ def _image_folder(root: Path, config: PrepareConfig) -> Arrays:
             for p in sorted((folder / name).iterdir())
             if p.suffix.lower() in _IMAGE_SUFFIXES
         ]
+        if not files:
+            raise ValueError(f"{folder} holds no images ({', '.join(sorted(_IMAGE_SUFFIXES))})")
+        return files
+
+    def load(files: list[tuple[int, Path]], name: str) -> tuple[np.ndarray, np.ndarray]:
+        """The images' pixels, resized, as uint8 (N, C, H, W) in a file mapped from disk: a quarter of float32's
+        size, and out of memory, however many images there are."""
+        pixels = np.lib.format.open_memmap(
+            scratch / f"{name}.npy", mode="w+", dtype=np.uint8, shape=(len(files), channels, size, size)
+        )
+        todo = files
         if config.progress:  # decoding and resizing is the slow part of preparing an image folder
             from tqdm import tqdm
 
-            files = tqdm(files, desc=f"reading {folder.name}", unit="image", dynamic_ncols=True)
-        xs, ys = [], []
-        for label, p in files:
+            todo = tqdm(files, desc=f"reading {name}", unit="image", dynamic_ncols=True)
+        for i, (_, p) in enumerate(todo):
             try:
                 with Image.open(p) as img:
-                    pixels = img.convert(mode).resize((config.image_size, config.image_size), Image.Resampling.BILINEAR)
+                    a = np.asarray(img.convert(mode).resize((size, size), Image.Resampling.BILINEAR))
             except OSError as exc:
                 raise ValueError(f"{p} is not an image Pillow can read: {exc}") from None
-            a = np.asarray(pixels, dtype=np.float32) / 255.0
-            xs.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))  # (C, H, W)
-            ys.append(label)
-        if not xs:
-            raise ValueError(f"{folder} holds no images ({', '.join(sorted(_IMAGE_SUFFIXES))})")
-        return np.stack(xs), np.array(ys, dtype=np.int64)
+            pixels[i] = a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+        return pixels, np.array([label for label, _ in files], dtype=np.int64)
 
     if len(splits) == 2:
-        (x_train, y_train), (x_test, y_test) = load(splits[0]), load(splits[1])
+        (x_train, y_train), (x_test, y_test) = load(listed(splits[0]), "train"), load(listed(splits[1]), "test")
     else:
-        x_train, y_train, x_test, y_test = _split(*load(root), config)
+        files = listed(root)
+        order = np.random.default_rng(config.seed).permutation(len(files))
+        n_test = _test_count(len(files), config)
+        x_test, y_test = load([files[i] for i in sorted(order[:n_test])], "test")
+        x_train, y_train = load([files[i] for i in sorted(order[n_test:])], "train")
     return Arrays(root.name, "classification", x_train, y_train, x_test, y_test, len(classes), classes)
 
 
-def _statistics(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and std per channel of images (N, C, H, W), else per feature, over the training split; a constant
-    feature keeps std 1 (it is only centred)."""
-    axes = (0, 2, 3) if x.ndim == 4 else (0,)
-    flat = x if x.ndim == 4 else x.reshape(len(x), -1)
-    mean = flat.mean(axis=axes, dtype=np.float64)
-    std = flat.std(axis=axes, dtype=np.float64)
+def _values(x: np.ndarray) -> np.ndarray:
+    """Samples as float32: an image folder's uint8 pixels scaled to 0..1."""
+    return x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else np.asarray(x, dtype=np.float32)
+
+
+def _statistics(x: np.ndarray, chunk_values: int = 1 << 23) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and std per channel of images (N, C, H, W), else per feature, over the training split, a chunk of
+    about `chunk_values` values (64 MB as float64) at a time, as an image folder's split is on disk; the chunks are
+    merged as Chan et al. merge means and sums of squared deviations. A constant feature keeps std 1 (it is only
+    centred)."""
+    rows = max(1, chunk_values // max(1, int(np.prod(x.shape[1:]))))
+    count, mean, m2 = 0, None, None
+    for start in range(0, len(x), rows):
+        part = _values(x[start : start + rows]).astype(np.float64)
+        # (samples, features, values of each): a channel's pixels, or a feature's one value
+        part = part.reshape(len(part), part.shape[1], -1) if part.ndim == 4 else part.reshape(len(part), -1, 1)
+        n = part.shape[0] * part.shape[2]
+        m = part.mean(axis=(0, 2))
+        s = ((part - m[None, :, None]) ** 2).sum(axis=(0, 2))
+        if mean is None or m2 is None:
+            count, mean, m2 = n, m, s
+            continue
+        delta = m - mean
+        total = count + n
+        mean = mean + delta * n / total
+        m2 = m2 + s + delta**2 * count * n / total
+        count = total
+    assert mean is not None and m2 is not None, "statistics of an empty split"
+    std = np.sqrt(m2 / count)
     std[std < 1e-8] = 1.0
     return mean.astype(np.float32), std.astype(np.float32)
 
