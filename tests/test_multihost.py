@@ -27,11 +27,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from logwatch import log_events, wait_for
 
 T = TypeVar("T")
 
@@ -66,27 +66,8 @@ CHILD_ENV = {"PYTHONUNBUFFERED": "1"}
 RESULTS: dict[str, dict[str, Any]] = {}
 
 
-def _wait_for(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
-
-
-def _log_events(path: Path, needle: str) -> list[tuple[float, str]]:
-    """(unix time, line) of every line of a log that contains `needle` (logging's asctime, local time)."""
-    events = []
-    for line in path.read_text(errors="replace").splitlines():
-        m = _STAMP.match(line)
-        if m and needle in line:
-            events.append((datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), line))
-    return events
+def _wait_for(probe: Callable[[], T | None], timeout: float, what: Any, interval: float = 0.2) -> T:
+    return wait_for(probe, timeout, what, interval)
 
 
 class Job:
@@ -180,14 +161,14 @@ class Job:
 
     def worker_id(self, name: str) -> str:
         """The worker's id prefix, as its log says it (`worker 1a2b3c4d: rank ...`)."""
-        line = _wait_for(lambda: _log_events(self.log(name), ": rank "), 60, f"{name} to start training")[0][1]
+        line = _wait_for(lambda: log_events(self.log(name), ": rank "), 60, f"{name} to start training")[0][1]
         m = re.search(r"worker ([0-9a-f]{8}): rank (\d+)", line)
         assert m, line
         return m.group(1)
 
     def evictions(self, worker_id: str) -> list[tuple[float, str]]:
         """(time, line) of every shard's log line evicting this worker."""
-        return [e for i in range(2) for e in _log_events(self.log(f"shard-{i}"), f"evicted worker {worker_id}")]
+        return [e for i in range(2) for e in log_events(self.log(f"shard-{i}"), f"evicted worker {worker_id}")]
 
     def finish_worker(self, name: str, timeout: float) -> dict[str, Any]:
         try:
@@ -307,7 +288,7 @@ def test_partitioned_worker_is_evicted_and_rejoins(job: Job) -> None:
 
     def rejoined() -> dict[str, float]:
         first: dict[str, float] = {}
-        for t, line in _log_events(job.log("worker-1"), "re-joined shard"):
+        for t, line in log_events(job.log("worker-1"), "re-joined shard"):
             first.setdefault(line.split("re-joined shard ")[1].split()[0], t)
         return first if len(first) == 2 else {}
 
@@ -365,11 +346,11 @@ def test_tcp_reset_is_retried(job: Job) -> None:
     assert m0["test_accuracy"] >= TARGET, m0
     assert m1["test_accuracy"] >= TARGET, m1
     v_before = job.version_at(t_cut)
-    retries = _log_events(job.log("worker-0"), "unavailable")
+    retries = log_events(job.log("worker-0"), "unavailable")
     evicted = [t for t, _ in job.evictions(ids["worker-0"])]
     assert not job.evictions(ids["worker-1"]), job.evictions(ids["worker-1"])
-    rejoined = _log_events(job.log("worker-0"), "re-joined shard")
-    outage = [e for e in _log_events(job.log("worker-0"), "heartbeat to shard") if "failed" in e[1]]
+    rejoined = log_events(job.log("worker-0"), "re-joined shard")
+    outage = [e for e in log_events(job.log("worker-0"), "heartbeat to shard") if "failed" in e[1]]
     # The resets reach whatever worker-0 sends meanwhile: a gRPC call fails UNAVAILABLE and is retried, and its
     # heartbeats fail (a warning when the outage starts), even while its step waits on an idle data-socket
     # connection that sees no packet, hence no reset.
@@ -475,7 +456,7 @@ def test_a_link_dropped_mid_push_holds_the_shard_only_until_the_frame_deadline(j
             "worker-0 to take 10 more steps after worker-1's link was dropped",
         )
         ended = _wait_for(
-            lambda: [e for i in range(2) for e in _log_events(job.log(f"shard-{i}"), "past their deadline")] or None,
+            lambda: [e for i in range(2) for e in log_events(job.log(f"shard-{i}"), "past their deadline")] or None,
             60,
             "a shard to end the stalled connection",
         )

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_schedules import torch_scheduler
 
 from paramserver.config import ServerConfig, from_arguments
 from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
@@ -186,10 +187,7 @@ def test_a_sync_adamw_job_equals_local_training_with_torchs_param_groups(
         (local, torch.optim.AdamW(groups, lr=config.lr)),
         (everywhere, torch.optim.AdamW(everywhere.parameters(), lr=config.lr, weight_decay=0.1)),
     ):
-        sched = torch.optim.lr_scheduler
-        warmup = sched.LinearLR(opt, start_factor=config.warmup_start_factor, total_iters=config.warmup_versions)
-        cosine = sched.CosineAnnealingLR(opt, T_max=config.decay_versions, eta_min=config.min_lr)
-        steppers.append((net, opt, sched.SequentialLR(opt, [warmup, cosine], milestones=[config.warmup_versions])))
+        steppers.append((net, opt, torch_scheduler(opt, config)))
     batches = [(torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(18)]
     with PSClient(cluster.address) as client:
         client.register(model)

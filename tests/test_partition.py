@@ -38,11 +38,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from logwatch import log_events, wait_for
 
 T = TypeVar("T")
 
@@ -218,27 +218,8 @@ class SlowFailover(AssertionError):
     """A worker was not acknowledged by the new primary in time (test_workers_find_the_new_primary_...)."""
 
 
-def _wait_for(probe: Callable[[], T | None], timeout: float, what: Callable[[], str], interval: float = 0.05) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what()}")
-
-
-_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
-
-
-def _log_events(path: Path, needle: str) -> list[tuple[float, str]]:
-    """(unix time, line) of every line of a server log that contains `needle` (logging's asctime, local time)."""
-    events = []
-    for line in path.read_text(errors="replace").splitlines():
-        m = _STAMP.match(line)
-        if m and needle in line:
-            events.append((datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), line))
-    return events
+def _wait_for(probe: Callable[[], T | None], timeout: float, what: Any, interval: float = 0.05) -> T:
+    return wait_for(probe, timeout, what, interval)
 
 
 def _json_lines(path: Path) -> list[dict[str, Any]]:
@@ -618,7 +599,7 @@ def test_primary_cut_off_from_its_backup(job: Replicated) -> None:
         if loser == primary:  # the backup took over: the old primary finds it lost when it records the drop
             code = job.copies[primary].wait(timeout=15)
             assert code == DEPOSED_EXIT, (code, job.copy_log(primary).read_text()[-3000:])
-            assert _log_events(job.copy_log(primary), "deposed"), job.copy_log(primary).read_text()[-3000:]
+            assert log_events(job.copy_log(primary), "deposed"), job.copy_log(primary).read_text()[-3000:]
         t_goes_on = job.wait_acks(20, 30, since=t_cut, by=winner)
         time.sleep(max(0.0, t_cut + CUT_SECONDS - time.time()))
         during = job.config()
@@ -673,7 +654,7 @@ def test_primary_cut_off_from_everything(job: Replicated) -> None:
     try:
         t_taken, taken = job.wait_config(lambda c: c["primary"] == new, 15, f"copy-{new} to take over")
         assert taken["in_sync"] == [new] and taken["epoch"] > cfg["epoch"], (cfg, taken)
-        took_over = _log_events(job.copy_log(new), "took over as primary")
+        took_over = log_events(job.copy_log(new), "took over as primary")
         assert took_over, job.copy_log(new).read_text()[-3000:]
         # "Within about a second": the backup's replica_timeout (0.5 s), then a read and a compare-and-swap.
         assert t_taken - t_cut < 2.0, (t_cut, t_taken)
@@ -700,14 +681,14 @@ def test_primary_cut_off_from_everything(job: Replicated) -> None:
         ) from None
     t_exit = time.time()
     assert code == DEPOSED_EXIT, (code, job.copy_log(old).read_text()[-3000:])
-    deposed = _log_events(job.copy_log(old), "deposed")
+    deposed = log_events(job.copy_log(old), "deposed")
     assert deposed, job.copy_log(old).read_text()[-3000:]
     job.restart_deposed()  # the same command: it comes back as the backup, takes the state, and catches up
     t_back, back = job.first_config(t_exit, lambda c: len(c["in_sync"]) == 2, 60, "the old primary back in sync")
     assert back["primary"] == new, back
     restarted_log = job.copy_log(old)
-    assert not [e for e in _log_events(restarted_log, "took over") if e[0] <= t_back], restarted_log.read_text()
-    assert _log_events(restarted_log, "took the primary's state"), restarted_log.read_text()[-3000:]
+    assert not [e for e in log_events(restarted_log, "took over") if e[0] <= t_back], restarted_log.read_text()
+    assert log_events(restarted_log, "took the primary's state"), restarted_log.read_text()[-3000:]
     job.wait_acks(20, 30, since=t_back)
     late = job.late_acks(old, t_cut, t_back)
     assert not late, f"the old primary acknowledged pushes after the cut: {late[:5]}"

@@ -16,10 +16,8 @@ from worker import PSClient
 LR = 0.1
 
 
-def _torch_rates(config: ServerConfig, steps: int) -> list[float]:
-    """The rates torch's schedulers give a loop of `optimizer.step(); scheduler.step()`, one per update."""
-    param = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([param], lr=config.lr)
+def torch_scheduler(opt: torch.optim.Optimizer, config: ServerConfig) -> Any:
+    """torch's scheduler of the job's --lr-schedule (and warmup) over `opt`: what the shards' closed forms equal."""
     sched = torch.optim.lr_scheduler
     main: Any = {
         "constant": lambda: sched.ConstantLR(opt, factor=1.0, total_iters=0),
@@ -29,11 +27,16 @@ def _torch_rates(config: ServerConfig, steps: int) -> list[float]:
             opt, start_factor=1.0, end_factor=config.min_lr / config.lr, total_iters=config.decay_versions
         ),
     }[config.lr_schedule]
-    if config.warmup_versions:
-        warmup = sched.LinearLR(opt, start_factor=config.warmup_start_factor, total_iters=config.warmup_versions)
-        scheduler: Any = sched.SequentialLR(opt, [warmup, main()], milestones=[config.warmup_versions])
-    else:
-        scheduler = main()
+    if not config.warmup_versions:
+        return main()
+    warmup = sched.LinearLR(opt, start_factor=config.warmup_start_factor, total_iters=config.warmup_versions)
+    return sched.SequentialLR(opt, [warmup, main()], milestones=[config.warmup_versions])
+
+
+def _torch_rates(config: ServerConfig, steps: int) -> list[float]:
+    """The rates torch's schedulers give a loop of `optimizer.step(); scheduler.step()`, one per update."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.lr)
+    scheduler = torch_scheduler(opt, config)
     rates = []
     for _ in range(steps):
         rates.append(opt.param_groups[0]["lr"])
@@ -81,10 +84,7 @@ def test_a_sync_job_with_a_schedule_equals_local_training_with_torchs_scheduler(
     local = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     local.load_state_dict(model.state_dict())
     opt = torch.optim.Adam(local.parameters(), lr=config.lr)
-    sched = torch.optim.lr_scheduler
-    warmup = sched.LinearLR(opt, start_factor=config.warmup_start_factor, total_iters=config.warmup_versions)
-    cosine = sched.CosineAnnealingLR(opt, T_max=config.decay_versions, eta_min=config.min_lr)
-    scheduler = sched.SequentialLR(opt, [warmup, cosine], milestones=[config.warmup_versions])
+    scheduler = torch_scheduler(opt, config)
     batches = [(torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(25)]
     with PSClient(cluster.address) as client:
         client.register(model)

@@ -27,14 +27,16 @@ from worker.manifest import Manifest, ShardFile, load_manifest
 
 @dataclass(frozen=True)
 class Part:
-    """What one shard contributes to an epoch: its samples from `skip` on, in the epoch's order."""
+    """What one shard contributes to an epoch: the rows it gives, in the epoch's order."""
 
     shard: ShardFile
     order: np.ndarray  # row indices within the shard, this epoch's permutation, already past the skipped ones
 
 
 class StreamedDataset:
-    """A prepared dataset read shard by shard from its storage (path, file://, s3://, hdfs://, http(s)://)."""
+    """A prepared dataset read shard by shard from its storage (path, file://, s3://, hdfs://, http(s)://).
+
+    Its training reader runs on into the next epoch until `close()` (or the end of a `with` block) stops it."""
 
     def __init__(self, spec: str, prefetch: int = 2) -> None:
         if prefetch < 1:
@@ -60,11 +62,6 @@ class StreamedDataset:
     @property
     def num_classes(self) -> int:
         return self.manifest.num_classes
-
-    @property
-    def num_test(self) -> int:
-        test = self.manifest.splits.get("test")
-        return test.samples if test else 0
 
     def assignment(self, rank: int, world: int) -> list[int]:
         """The train shards rank `rank` of `world` reads: every world-th one, from its rank on."""
@@ -119,33 +116,40 @@ class StreamedDataset:
         """As `batches`, with each sample's id (its index in the split) after x and y."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        parts = len(self.plan(rank, world, seed=seed, epoch=epoch, start=start))
         key = (rank, world, seed)
         reader = self._reader
-        if reader is None or reader.key != key or reader.position != (epoch, 0) or start:
+        if reader is None or reader.key != key or reader.next_epoch != epoch or start:
             # Not where the running reader is (the first epoch, a resumed or an abandoned one): start one here.
+            first = self.plan(rank, world, seed=seed, epoch=epoch, start=start)  # bad arguments fail here
             self.close()
 
-            def epochs() -> Iterator[tuple[int, Part]]:
+            def epochs() -> Iterator[tuple[int, Part | None]]:
                 for e in itertools.count(epoch):
-                    for part in self.plan(rank, world, seed=seed, epoch=e, start=start if e == epoch else 0):
+                    for part in first if e == epoch else self.plan(rank, world, seed=seed, epoch=e):
                         yield e, part
+                    yield e, None  # the epoch's end
 
-            reader = self._reader = _Reader(self, key, (epoch, 0), epochs())
-        return self._batches(reader, parts, batch_size, epoch=epoch)
+            reader = self._reader = _Reader(self, key, epochs())
+        return self._batches(reader, epoch, batch_size)
 
     def test_batches(self, batch_size: int = 1024) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
         """(x, y) batches of the whole test split, in order (read ahead on a reader of their own)."""
         test = self.manifest.splits.get("test")
-        parts = [Part(s, np.arange(s.samples)) for s in test.shards] if test else []
-        reader = _Reader(self, None, (0, 0), ((0, p) for p in parts))
-        return self._pairs(self._batches(reader, len(parts), batch_size, own=True))
+        parts: list[tuple[int, Part | None]] = [(0, Part(s, np.arange(s.samples))) for s in test.shards] if test else []
+        reader = _Reader(self, None, iter([*parts, (0, None)]))
+        return self._pairs(self._batches(reader, 0, batch_size, own=True))
 
     def close(self) -> None:
         """Stop the reader that reads ahead (into the next epoch too); a later `batches` starts another."""
         if self._reader is not None:
             self._reader.stop()
             self._reader = None
+
+    def __enter__(self) -> StreamedDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @staticmethod
     def _pairs(
@@ -156,27 +160,25 @@ class StreamedDataset:
                 yield x, y
 
     def _batches(
-        self, reader: _Reader, parts: int, batch_size: int, epoch: int = 0, own: bool = False
+        self, reader: _Reader, epoch: int, batch_size: int, own: bool = False
     ) -> Generator[tuple[torch.Tensor, torch.Tensor, torch.Tensor], None, None]:
-        """Batches of the next `parts` parts the reader brings (`epoch`'s); `own`: stop the reader after them."""
+        """Batches of `epoch`'s parts as the reader brings them, up to the epoch's end; `own`: stop the reader
+        then."""
         pending: list[tuple[np.ndarray, ...]] = []
         held = 0
+        reader.next_epoch = None  # taken from now on: only a whole epoch taken leaves the reader at the next one
         try:
-            reader.position = (epoch, 0)
-            for _ in range(parts):
-                columns = reader.take()
+            while (columns := reader.take(epoch)) is not None:
                 pending.append(columns)
                 held += len(columns[0])
                 while held >= batch_size:
                     batch, pending = _take(pending, batch_size)
                     held -= batch_size
                     yield _tensors(batch)
-            reader.position = (epoch + 1, 0)  # taken whole: the reader is at the next epoch's first part
+            reader.next_epoch = epoch + 1
             if held:
                 yield _tensors(_take(pending, held)[0])
         finally:
-            if reader.position != (epoch + 1, 0):
-                reader.position = (-1, -1)  # left mid-epoch: no later call may take up where it stopped
             if own:
                 reader.stop()
 
@@ -247,15 +249,13 @@ def _tensors(pieces: list[tuple[np.ndarray, ...]]) -> tuple[torch.Tensor, torch.
 
 class _Reader:
     """Reads parts in order on a background thread, at most `prefetch` shards ahead of the consumer: from one
-    position on through consecutive epochs, so that a new epoch's first shards are read while the last one's
-    batches train (no stall at each epoch's start). `position` is the (epoch, part) the next `take` returns, as
-    far as the consumer knows: (epoch + 1, 0) once it took an epoch whole."""
+    position on through consecutive epochs (each part tagged with its epoch, each epoch closed by a None), so that
+    a new epoch's first shards are read while the last one's batches train (no stall at each epoch's start).
+    `next_epoch`: the epoch whose first part the next `take` returns, once a consumer took an epoch whole."""
 
-    def __init__(
-        self, dataset: StreamedDataset, key: object, position: tuple[int, int], parts: Iterator[tuple[int, Part]]
-    ) -> None:
+    def __init__(self, dataset: StreamedDataset, key: object, parts: Iterator[tuple[int, Part | None]]) -> None:
         self.key = key
-        self.position = position
+        self.next_epoch: int | None = None
         self._dataset = dataset
         self._parts = parts
         self._queue: queue.Queue[tuple[int, object]] = queue.Queue(maxsize=dataset.prefetch)
@@ -263,15 +263,16 @@ class _Reader:
         self._thread = threading.Thread(target=self._run, name="ps-prefetch", daemon=True)
         self._thread.start()
 
-    def take(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The next part's rows (waiting for them, the wait counted in the dataset's `waited`)."""
+    def take(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The next part's rows of `epoch`, or None at its end (waiting for them, the wait counted in the
+        dataset's `waited`)."""
         began = time.perf_counter()
-        epoch, item = self._queue.get()
+        got, item = self._queue.get()
         self._dataset.waited += time.perf_counter() - began
         if isinstance(item, BaseException):
             raise item
-        if item is None or epoch != self.position[0]:  # the consumer asked for more parts than it planned
-            raise RuntimeError(f"the dataset's reader is out of step: epoch {epoch}, expected {self.position}")
+        if got != epoch:
+            raise RuntimeError(f"the dataset's reader is out of step: a part of epoch {got}, expected {epoch}")
         return item  # type: ignore[return-value]
 
     def stop(self) -> None:
@@ -283,18 +284,16 @@ class _Reader:
                 self._thread.join(0.05)
 
     def _run(self) -> None:
-        epoch = self.position[0]
+        epoch = -1
         try:
             for epoch, part in self._parts:
                 if self._stop.is_set():
                     return
-                rows = self._dataset.read(part)
-                self._dataset.fetched += 1
+                rows = None if part is None else self._dataset.read(part)
+                self._dataset.fetched += part is not None
                 self._put(epoch, rows)
         except BaseException as exc:  # handed to the training loop, which raises it
             self._put(epoch, exc)
-            return
-        self._put(epoch, None)
 
     def _put(self, epoch: int, item: object) -> None:
         while not self._stop.is_set():
