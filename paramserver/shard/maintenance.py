@@ -25,6 +25,9 @@ class Maintenance:
         self._lock = lock
         self._thread: threading.Thread | None = None
         self._last_wait_log = 0.0
+        # Its own event to sleep on, not the shard's condition: that one is notified at every version a push makes,
+        # and a tick per update (under the shard's lock) is work the step does not need.
+        self._stopping = threading.Event()
 
     def start(self) -> None:
         """Start the thread (once)."""
@@ -35,11 +38,15 @@ class Maintenance:
 
     def _run(self) -> None:
         interval = min(1.0, self._shard.config.lease_timeout / 4)
-        with self._lock:
-            while not self._shard.closed:
-                self._lock.wait(interval)  # the shard's close wakes it at once
-                if not self._shard.closed:
-                    self.tick()
+        while not self._stopping.wait(interval):  # `stop` wakes it at once
+            with self._lock:
+                if self._shard.closed:
+                    return
+                self.tick()
+
+    def stop(self) -> None:
+        """End the thread's sleep now (the shard is closing)."""
+        self._stopping.set()
 
     def tick(self, now: float | None = None) -> None:
         """Evict workers whose lease ran out, log a long wait, take a checkpoint when one is due."""

@@ -1,243 +1,103 @@
-"""One sparse embedding table's rows on one shard: a vectorised hash index, row and optimizer-state slabs, admission
-and eviction.
+"""The rows of sparse embedding tables on one shard: a group of tables of one width and row optimizer in one store,
+with admission and eviction.
 
 A batch of IDs is the unit of work: a lookup or an update of a few thousand IDs costs a fixed number of numpy and
 torch calls, never a Python step per ID, and no work that grows with the table (the hash index's probes stay
-short), so a table of ten million rows answers nearly as fast as one of a hundred thousand: the difference is the
-cache misses of its scattered rows.
+short), so a table of ten million rows answers nearly as fast as one of a hundred thousand. Tables that share a
+width, a row optimizer and a learning rate are one `RowGroup` (as FBGEMM's table-batched embeddings are one
+weights tensor): a batch of rows of many tables is one probe, one gather, one optimizer step and one scatter, so a
+model's cost follows the rows it touches, not how many tables it has.
 
-- `_IdHash`: open addressing from any int64 ID to a non-negative int (a row's slot, or an ID's update count).
-  Linear probing runs over the whole batch at once: each round looks at a window of cells for every ID still
-  unresolved, so most IDs resolve in the first round and the loop is over rounds, not IDs.
-- `RowTable`: the rows (one float32 slab [capacity, dim]) and their optimizer state (one slab [capacity,
-  state_cols]), indexed by slot; a free-slot stack reuses an evicted row's slot; per slot, the ID, the version and
-  time of its last update. Rows are made on admission and dropped by the capacity (least recently updated first)
-  and by age.
+- `RowGroup`: the rows of its tables in one float32 slab [capacity, dim] and their optimizer state in another
+  [capacity, state_cols] (one slab of both measured slower: a lookup then gathers from a strided view, and the
+  optimizer's passes run over strided halves). A row is keyed by (its table's tag in
+  the group, its ID) in a paramserver.shard.id_hash.IdHash; per slot, the ID, the tag, and the version and time of
+  its last update. A free-slot stack reuses an evicted row's slot. Each table keeps its own policy (its initial
+  rows, admission, eviction by age, capacity) and its own figures.
+- `RowTable`: a group of one table, with that table's API (what tests and benchmarks of one table use).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from paramserver.shard.id_hash import IdHash
 from paramserver.shard.row_optimizers import row_optimizer
-from paramserver.tables import Initialiser, TableSpec, as_ids, mix64
+from paramserver.shard.table_state import checked_state
+from paramserver.tables import Initialiser, TableSpec, as_ids
 
-EMPTY = -1  # an index cell that never held a key since the last rebuild: a probe for a key stops here
-DELETED = -2  # a tombstone: a removed key's cell, which a probe passes over and an insert may reuse
-_MIN_CELLS = 16
-_WINDOW = 16  # cells a round of probing looks at per ID, after the first round's one
-_OFFSETS = np.arange(_WINDOW, dtype=np.int64)[:, None]
-_INDEX_CHUNK = 1 << 20  # IDs per pass through the index, to bound the temporaries of a huge batch
 _STEP_CHUNK_ELEMENTS = 1 << 22  # floats per gathered chunk in an optimizer step (16 MiB a temporary)
 _MIN_SLOTS = 16
-_SLOT_GROWTH = 1.25  # not 2: the slabs are most of a table's memory, and a doubling would leave half of it idle
+_SLOT_GROWTH = 1.25  # not 2: the slab is most of a group's memory, and a doubling would leave half of it idle
 _INT32_MAX = np.iinfo(np.int32).max
-_STATE_KEYS = ("ids", "values", "optimizer_state", "versions", "times", "count_ids", "counts", "step")
+_NO_LRU = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float64))
 
 
-class _IdHash:
-    """An open-addressing map from int64 keys to non-negative ints, whole batches at a time.
+class RowGroup:
+    """The rows of one or more tables of one width, row optimizer and learning rate on one shard, with their
+    optimizer state, admission and eviction.
 
-    Every int64 is a valid key: emptiness lives in the value array (EMPTY, DELETED), not in a reserved key. The
-    capacity is a power of two and live keys plus tombstones stay at most half of it, so an unsuccessful probe is
-    short and always ends at an EMPTY cell. A key's first cell is the top bits of mix64(key): a shard's IDs share
-    mix64(ID) mod num_shards, which is in the low bits.
+    A table is named by its tag, its position in `specs`. Batch calls take the IDs and, for a group of several
+    tables, each ID's tag (int32; None in a group of one). The caller (the shard) resolves the optimizer name and
+    the learning rate, validates and de-duplicates (tag, ID) pairs, and serialises calls: a group has no lock.
     """
 
-    def __init__(self, value_dtype: type[np.signedinteger], cells: int = _MIN_CELLS) -> None:
-        self.value_dtype = np.dtype(value_dtype)
-        self.live = 0
-        self.dead = 0
-        self._allocate(cells)
-
-    def _allocate(self, cells: int) -> None:
-        self.keys = np.zeros(cells, dtype=np.int64)
-        self.vals = np.full(cells, EMPTY, dtype=self.value_dtype)
-        self.mask = cells - 1
-        self.shift = np.uint64(64 - (cells.bit_length() - 1))
-        self.dead = 0
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.keys.nbytes + self.vals.nbytes)
-
-    def widen(self) -> None:
-        """Hold values beyond int32 (a table of more than 2^31 slots)."""
-        self.vals = self.vals.astype(np.int64)
-        self.value_dtype = np.dtype(np.int64)
-
-    def _start(self, ids: np.ndarray) -> np.ndarray:
-        return (mix64(ids.view(np.uint64)) >> self.shift).astype(np.int64)
-
-    def find(self, ids: np.ndarray) -> np.ndarray:
-        """The cell holding each key, -1 where it is absent (int64, one per ID; duplicates allowed)."""
-        return self._probe(ids, values=False)
-
-    def get(self, ids: np.ndarray) -> np.ndarray:
-        """Each key's value, -1 where it is absent (int64)."""
-        return self._probe(ids, values=True)
-
-    def _probe(self, ids: np.ndarray, values: bool) -> np.ndarray:
-        out = np.full(len(ids), -1, dtype=np.int64)
-        if self.live == 0:
-            return out
-        for begin in range(0, len(ids), _INDEX_CHUNK):
-            part = ids[begin : begin + _INDEX_CHUNK]
-            out[begin : begin + len(part)] = self._find(part, values)
-        return out
-
-    def _find(self, ids: np.ndarray, values: bool) -> np.ndarray:
-        keys, vals, mask = self.keys, self.vals, self.mask
-        # Round one looks at each ID's home cell only, on flat arrays: at load <= 1/2 it settles about 80% of
-        # them, at the fewest operations per ID.
-        pos = self._start(ids)
-        v = vals.take(pos)
-        hit = keys.take(pos) == ids
-        hit &= v >= 0
-        out = np.where(hit, v if values else pos, -1).astype(np.int64, copy=False)
-        go_on = v != EMPTY
-        go_on &= ~hit
-        todo = np.flatnonzero(go_on)
-        pos, want = pos[todo] + 1, ids[todo]
-        # Then windows of _WINDOW cells per ID, laid out [window, IDs] so every operation runs along contiguous
-        # memory; one window nearly always reaches the key or an EMPTY cell.
-        while len(todo):
-            cells = (pos + _OFFSETS) & mask
-            v = vals.take(cells)
-            hit = keys.take(cells) == want
-            hit &= v >= 0
-            stop = v == EMPTY
-            stop |= hit
-            first = stop.argmax(axis=0)
-            cols = np.arange(len(todo))
-            found = hit[first, cols]
-            out[todo[found]] = (v if values else cells)[first[found], cols[found]]
-            go_on = ~stop[first, cols]
-            todo, pos, want = todo[go_on], pos[go_on] + _WINDOW, want[go_on]
-        return out
-
-    def remove_cells(self, cells: np.ndarray) -> None:
-        """Remove the keys in these (live, distinct) cells: they become tombstones until the next rebuild."""
-        self.vals[cells] = DELETED
-        self.live -= len(cells)
-        self.dead += len(cells)
-
-    def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
-        """Add keys that are absent and distinct (the caller knows), with their values (>= 0)."""
-        n = len(ids)
-        if n == 0:
-            return
-        cells = len(self.keys)
-        if self.live + self.dead + n > cells // 2:
-            # Tombstones alone: clean them up in place while that leaves room for a run of later removals (1/16
-            # of the cells), so churn at a steady size costs O(1) per key; otherwise double.
-            if (self.live + n) * 16 <= cells * 7:
-                self._rebuild(cells)
-            else:
-                cells *= 2
-                while (self.live + n) * 2 > cells:
-                    cells *= 2
-                self._rebuild(cells)
-        for begin in range(0, n, _INDEX_CHUNK):
-            self._insert(ids[begin : begin + _INDEX_CHUNK], values[begin : begin + _INDEX_CHUNK])
-        self.live += n
-
-    def _insert(self, ids: np.ndarray, values: np.ndarray) -> None:
-        todo = np.arange(len(ids))
-        pos = self._start(ids)
-        # Round one tries each key's home cell, as _find does; then windows from the next cell on.
-        home = self.vals.take(pos) < 0
-        taken = self._claim(ids, values, todo[home], pos[home])
-        left = np.ones(len(ids), dtype=bool)
-        left[taken] = False
-        todo = np.flatnonzero(left)
-        pos = pos[todo] + 1
-        while len(todo):
-            cells = (pos + _OFFSETS) & self.mask
-            free = self.vals.take(cells) < 0
-            has = free.any(axis=0)
-            target = cells[free.argmax(axis=0), np.arange(len(todo))]
-            taken = self._claim(ids, values, todo[has], target[has])
-            left = np.ones(len(todo), dtype=bool)
-            left[np.searchsorted(todo, taken)] = False
-            # A key that lost its free cell to another probes on from that (now taken) cell.
-            pos = np.where(has, target, pos + _WINDOW)
-            todo, pos = todo[left], pos[left]
-
-    def _claim(self, ids: np.ndarray, values: np.ndarray, claimers: np.ndarray, cells: np.ndarray) -> np.ndarray:
-        """Put keys ids[claimers] into these free cells; which claimers got theirs (ascending, as claimers is).
-
-        Two keys may reach one free cell in the same round: both write their key, one write stays (keys are
-        distinct, so exactly one matches), and the others must probe on."""
-        keys, vals = self.keys, self.vals
-        want = ids[claimers]
-        keys[cells] = want
-        won = keys.take(cells) == want
-        winners = cells[won]
-        self.dead -= int(np.count_nonzero(vals.take(winners) == DELETED))
-        vals[winners] = values[claimers[won]]
-        return claimers[won]
-
-    def _rebuild(self, cells: int) -> None:
-        live = np.flatnonzero(self.vals >= 0)
-        keys, vals = self.keys[live], self.vals[live]
-        self._allocate(cells)
-        for begin in range(0, len(keys), _INDEX_CHUNK):
-            self._insert(keys[begin : begin + _INDEX_CHUNK], vals[begin : begin + _INDEX_CHUNK])
-
-    def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every live key and its value, in ascending key order."""
-        live = np.flatnonzero(self.vals >= 0)
-        keys = self.keys[live]
-        order = np.argsort(keys, kind="stable")
-        return keys[order], self.vals[live][order].astype(np.int64)
-
-
-class RowTable:
-    """One sparse table's rows on one shard, with their optimizer state, admission and eviction.
-
-    The caller (the shard) resolves the optimizer name and the learning rate, validates and de-duplicates IDs,
-    and serialises calls: a RowTable has no lock of its own.
-    """
-
-    def __init__(self, spec: TableSpec, optimizer: str, lr: float, seed_rng: int = 0) -> None:
-        self.spec = spec
-        self.dim = spec.dim
+    def __init__(self, specs: Sequence[TableSpec], optimizer: str, lr: float, seed_rng: int = 0) -> None:
+        self.specs = tuple(specs)
+        if not self.specs or len({s.dim for s in self.specs}) != 1:
+            raise ValueError("a row group holds one or more tables of one dim")
+        self.dim = self.specs[0].dim
         self.optimizer = row_optimizer(optimizer)
         self.lr = float(lr)
-        self.state_cols = self.optimizer.state_cols(spec.dim)
-        self.initialiser = Initialiser(spec)  # one per table: it caches the codebooks every initial row reads
-        self._rng = np.random.default_rng(np.random.SeedSequence([spec.seed, seed_rng]))
-        self._index = _IdHash(np.int32)
-        self._counts = _IdHash(np.int64)  # IDs without a row -> how many updates they were in (admit_after > 1)
-        self.steps = 0  # updates applied: SparseAdam's bias correction counts per table
-        self.ids_seen = 0
-        self.rows_admitted = 0
-        self.rows_evicted = 0
+        self.state_cols = self.optimizer.state_cols(self.dim)
+        count = len(self.specs)
+        self.tagged = count > 1
+        self.initialisers = [Initialiser(s) for s in self.specs]  # each caches the codebooks its rows read
+        # One admission RNG per table, drawn in its own IDs' order: a table admits the same rows in a group as alone.
+        self._rngs = [np.random.default_rng(np.random.SeedSequence([s.seed, seed_rng])) for s in self.specs]
+        self._index = IdHash(np.int32, self.tagged)
+        self._counts = IdHash(np.int64, self.tagged)  # IDs without a row -> how many updates they were in
+        # Each table's policy, indexed by tag (0 means never / always, as in TableSpec).
+        self._admit_after = np.array([s.admit_after for s in self.specs], dtype=np.int64)
+        self._admit_p = np.array([s.admit_probability for s in self.specs], dtype=np.float64)
+        self._old_versions = np.array([s.evict_after_versions for s in self.specs], dtype=np.int64)
+        self._old_seconds = np.array([s.evict_after_seconds for s in self.specs], dtype=np.float64)
+        self._caps = np.array([s.capacity for s in self.specs], dtype=np.int64)
+        self._ages = bool(self._old_versions.any() or self._old_seconds.any())
+        # Per table: updates applied (SparseAdam's bias correction counts per table), IDs seen, rows held, made and
+        # dropped.
+        self.steps = np.zeros(count, dtype=np.int64)
+        self.ids_seen = np.zeros(count, dtype=np.int64)
+        self.rows_held = np.zeros(count, dtype=np.int64)
+        self.rows_admitted = np.zeros(count, dtype=np.int64)
+        self.rows_evicted = np.zeros(count, dtype=np.int64)
         self._capacity = 0
         self._high = 0  # slots below this were handed out at least once; above, never
         self._values = torch.empty((0, self.dim), dtype=torch.float32)
         self._state = torch.empty((0, self.state_cols), dtype=torch.float32)
         self._slot_ids = np.empty(0, dtype=np.int64)
+        self._slot_tags = np.empty(0, dtype=np.int32)
         self._versions = np.empty(0, dtype=np.int64)
         self._times = np.empty(0, dtype=np.float64)
         self._live = np.empty(0, dtype=bool)
         self._free = np.empty(0, dtype=np.int64)  # a stack of released slots, top at _nfree
         self._nfree = 0
-        # The oldest rows as of the last LRU scan, oldest first: later evictions take from it while its entries
-        # are unchanged (same ID, same version), so a table at its capacity pays one O(rows) scan per many applies.
-        self._lru = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float64))
-        self._lru_next = 0
+        # Per table, the oldest rows as of its last LRU scan, oldest first: later evictions take from it while its
+        # entries are unchanged (same ID, same version), so a table at its capacity pays one O(rows) scan per many
+        # applies.
+        self._lru: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._lru_next: dict[int, int] = {}
         self._ids_since_sweep = 0
 
     # --- sizes -------------------------------------------------------------------------------------------------
 
     @property
     def rows(self) -> int:
-        """Rows held."""
+        """Rows held, of every table of the group."""
         return self._index.live
 
     @property
@@ -247,43 +107,70 @@ class RowTable:
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated for this table: slabs, both indexes, per-slot arrays, free stack and LRU queue (the
-        Initialiser's codebooks, a constant per table, are not counted)."""
-        arrays = (self._slot_ids, self._versions, self._times, self._live, self._free, *self._lru)
+        """Bytes allocated for the group: slab, both indexes, per-slot arrays, free stack and LRU queues (the
+        Initialisers' codebooks, a constant per table, are not counted)."""
+        arrays: list[np.ndarray] = [self._slot_ids, self._slot_tags, self._versions, self._times, self._live]
+        arrays += [self._free, *(a for q in self._lru.values() for a in q)]
         slabs = self._values.untyped_storage().nbytes() + self._state.untyped_storage().nbytes()
         return int(slabs + self._index.nbytes + self._counts.nbytes + sum(a.nbytes for a in arrays))
 
+    def _per_table(self, tags: np.ndarray | None, n: int) -> np.ndarray:
+        """How many of n keys belong to each table."""
+        if tags is None:
+            return n  # type: ignore[return-value]  # added to a one-table array, as its one count
+        return np.bincount(tags, minlength=len(self.specs)).astype(np.int64)
+
     # --- reads -------------------------------------------------------------------------------------------------
 
-    def _slots(self, ids: np.ndarray) -> np.ndarray:
-        return self._index.get(ids)
-
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
+    def lookup(self, ids: np.ndarray, tags: np.ndarray | None = None) -> np.ndarray:
         """The current rows of these IDs, float32 [n, dim]; an ID without a row reads as its initial row. Makes no
         row (a read must not let a reader fill the table)."""
         ids = np.ascontiguousarray(as_ids(ids))
-        slots = self._slots(ids)
+        slots = self._index.get(ids, tags)
         found = slots >= 0
         if found.all():
             return self._gather(slots)
         out = np.empty((len(ids), self.dim), dtype=np.float32)
         if found.any():
             out[found] = self._gather(slots[found])
-        out[~found] = self.initialiser.rows(ids[~found])
+        absent = np.flatnonzero(~found)
+        out[absent] = self._initial(ids[absent], None if tags is None else tags[absent])
         return out
 
     def _gather(self, slots: np.ndarray) -> np.ndarray:
         return self._values.index_select(0, torch.from_numpy(slots)).numpy()
 
-    def missing(self, ids: np.ndarray) -> int:
+    def _initial(self, ids: np.ndarray, tags: np.ndarray | None) -> np.ndarray:
+        """The initial rows of these IDs, each by its table's rule."""
+        if tags is None:
+            return self.initialisers[0].rows(ids)
+        out = np.empty((len(ids), self.dim), dtype=np.float32)
+        for tag in np.unique(tags):
+            where = np.flatnonzero(tags == tag)
+            out[where] = self.initialisers[int(tag)].rows(ids[where])
+        return out
+
+    def missing(self, ids: np.ndarray, tags: np.ndarray | None = None) -> int:
         """How many of these IDs have no row (what an apply could add at most, for the caller's memory cap)."""
         ids = np.ascontiguousarray(as_ids(ids))
-        return int(np.count_nonzero(self._slots(ids) < 0))
+        return int(np.count_nonzero(self._index.get(ids, tags) < 0))
 
     # --- updates -----------------------------------------------------------------------------------------------
 
-    def apply(self, ids: np.ndarray, grads: np.ndarray | torch.Tensor, version: int, now: float) -> None:
-        """Apply one update: the gradients of these unique IDs, float32 [n, dim], summed per ID.
+    def tick(self) -> None:
+        """Count an update that brought the group no rows: a table's step counts the job's updates, as
+        torch.optim.SparseAdam counts its steps (its bias correction), not only those that touched it."""
+        self.steps += 1
+
+    def apply(
+        self,
+        ids: np.ndarray,
+        grads: np.ndarray | torch.Tensor,
+        version: int,
+        now: float,
+        tags: np.ndarray | None = None,
+    ) -> None:
+        """Apply one update: the gradients of these unique (tag, ID) pairs, float32 [n, dim], summed per pair.
 
         IDs without a row go through admission first (the rest of their gradient is dropped); then one optimizer
         step on every row the IDs now have, which become this version's and this time's; then eviction.
@@ -294,11 +181,11 @@ class RowTable:
         else:
             g = torch.from_numpy(np.ascontiguousarray(grads, dtype=np.float32))
         if tuple(g.shape) != (len(ids), self.dim):
-            raise ValueError(f"table {self.spec.name!r}: gradients of shape {tuple(g.shape)} for {len(ids)} IDs")
+            raise ValueError(f"rows of dim {self.dim}: gradients of shape {tuple(g.shape)} for {len(ids)} IDs")
         self.steps += 1
-        self.ids_seen += len(ids)
-        slots = self._slots(ids)
-        if self._ages_evict():
+        self.ids_seen += self._per_table(tags, len(ids))
+        slots = self._index.get(ids, tags)
+        if self._ages:
             # A row too old to be kept is re-made as a new one even when no sweep has dropped it yet, so that what
             # an update does never depends on when the last sweep ran.
             held = np.flatnonzero(slots >= 0)
@@ -308,72 +195,98 @@ class RowTable:
                 slots[stale] = -1
         absent = np.flatnonzero(slots < 0)
         if len(absent):
-            admitted = absent[self._admit(ids[absent])]
-            slots[admitted] = self._make_rows(ids[admitted])
-        if len(absent) == 0:
-            self._step(slots, g)
-        else:
+            absent_tags = None if tags is None else tags[absent]
+            admitted = self._admit(ids[absent], absent_tags)
+            slots[absent[admitted]] = self._make_rows(
+                ids[absent[admitted]], None if absent_tags is None else absent_tags[admitted]
+            )
             present = np.flatnonzero(slots >= 0)
-            self._step(slots[present], g[torch.from_numpy(present)])
+            self._step(slots[present], g[torch.from_numpy(present)], None if tags is None else tags[present])
             slots = slots[present]
+        else:
+            self._step(slots, g, tags)
         self._versions[slots] = version
         self._times[slots] = now
         self._ids_since_sweep += len(ids)
-        if self._ages_evict() and self._ids_since_sweep * 8 >= self.rows:
+        if self._ages and self._ids_since_sweep * 8 >= self.rows:
             self.expire(version, now)
-        if self.spec.capacity and self.rows > self.spec.capacity:
-            self.evict_lru(self.spec.capacity)
+        for tag in np.flatnonzero(self._caps):
+            if self.rows_held[tag] > self._caps[tag]:
+                self.evict_lru(int(self._caps[tag]), int(tag))
 
-    def _step(self, slots: np.ndarray, grads: torch.Tensor) -> None:
+    def _step(self, slots: np.ndarray, grads: torch.Tensor, tags: np.ndarray | None) -> None:
         if len(slots) == 0:
             return
+        steps = self.steps if len(self.steps) == 1 else np.unique(self.steps)
+        if len(steps) > 1 and tags is not None:
+            # Tables restored at different step counts (an optimizer's bias correction counts per table): one step
+            # per count, each over its tables' rows.
+            for count in steps:
+                mine = np.flatnonzero(self.steps[tags] == count)
+                self._step_at(slots[mine], grads[torch.from_numpy(mine)], int(count))
+            return
+        self._step_at(slots, grads, int(steps[0]))
+
+    def _step_at(self, slots: np.ndarray, grads: torch.Tensor, step: int) -> None:
         chunk = max(1, _STEP_CHUNK_ELEMENTS // max(self.dim, self.state_cols))
         for begin in range(0, len(slots), chunk):
             s = torch.from_numpy(slots[begin : begin + chunk])
-            g = grads[begin : begin + chunk]
             values = self._values.index_select(0, s)
             state = self._state.index_select(0, s)
-            self.optimizer.step(values, state, g, self.lr, self.steps)
+            self.optimizer.step(values, state, grads[begin : begin + chunk], self.lr, step)
             self._values.index_copy_(0, s, values)
             if self.state_cols:
                 self._state.index_copy_(0, s, state)
 
-    def _admit(self, ids: np.ndarray) -> np.ndarray:
+    def _admit(self, ids: np.ndarray, tags: np.ndarray | None) -> np.ndarray:
         """Which of these row-less IDs get a row now (bool); counts the others' updates."""
-        spec = self.spec
-        counting = spec.admit_after > 1
-        if not counting and spec.admit_probability >= 1:
+        after = self._admit_after if tags is None else self._admit_after[tags]
+        p = self._admit_p if tags is None else self._admit_p[tags]
+        counting = np.broadcast_to(after > 1, ids.shape)
+        drawing = np.broadcast_to(p < 1, ids.shape)
+        if not counting.any() and not drawing.any():
             return np.ones(len(ids), dtype=bool)
-        admit = np.zeros(len(ids), dtype=bool)
-        if counting:
-            cells = self._counts.find(ids)
+        admit = ~(counting | drawing)
+        c = np.flatnonzero(counting)
+        if len(c):
+            c_tags = None if tags is None else tags[c]
+            cells = self._counts.find(ids[c], c_tags)
             known = cells >= 0
-            counts = np.ones(len(ids), dtype=np.int64)
+            counts = np.ones(len(c), dtype=np.int64)
             counts[known] += self._counts.vals[cells[known]]
-            admit |= counts >= spec.admit_after
-        if spec.admit_probability < 1:
-            admit |= self._rng.random(len(ids)) < spec.admit_probability
-        if counting:
-            self._counts.remove_cells(cells[admit & known])
-            kept = ~admit & known
+            admit[c] |= counts >= np.broadcast_to(after, ids.shape)[c]
+        d = np.flatnonzero(drawing)
+        if len(d):
+            d_tags = np.zeros(len(d), np.int32) if tags is None else tags[d]
+            for tag in np.unique(d_tags):
+                mine = d[d_tags == tag]
+                admit[mine] |= self._rngs[int(tag)].random(len(mine)) < self._admit_p[tag]
+        if len(c):
+            got = admit[c]
+            self._counts.remove_cells(cells[got & known])
+            kept = ~got & known
             self._counts.vals[cells[kept]] = counts[kept]
-            new = ~admit & ~known
-            self._counts.insert(ids[new], counts[new])
+            new = ~got & ~known
+            self._counts.insert(ids[c][new], counts[new], None if c_tags is None else c_tags[new])
         return admit
 
-    def _make_rows(self, ids: np.ndarray) -> np.ndarray:
+    def _make_rows(self, ids: np.ndarray, tags: np.ndarray | None) -> np.ndarray:
         """Rows at their initial value and zero state for these new IDs; their slots."""
         slots = self._take_slots(len(ids))
         chunk = max(1, _STEP_CHUNK_ELEMENTS // self.dim)  # the initial rows are computed in float64
         for begin in range(0, len(ids), chunk):
-            part = torch.from_numpy(self.initialiser.rows(ids[begin : begin + chunk]))
-            self._values.index_copy_(0, torch.from_numpy(slots[begin : begin + chunk]), part)
+            part = slice(begin, begin + chunk)
+            rows = torch.from_numpy(self._initial(ids[part], None if tags is None else tags[part]))
+            self._values.index_copy_(0, torch.from_numpy(slots[part]), rows)
         if self.state_cols:
             self._state.index_fill_(0, torch.from_numpy(slots), 0.0)
         self._slot_ids[slots] = ids
+        self._slot_tags[slots] = 0 if tags is None else tags
         self._live[slots] = True
-        self._index.insert(ids, slots)
-        self.rows_admitted += len(ids)
+        self._index.insert(ids, slots, tags)
+        made = self._per_table(tags, len(ids))
+        self.rows_admitted += made
+        self.rows_held += made
         return slots
 
     def _take_slots(self, n: int) -> np.ndarray:
@@ -403,6 +316,7 @@ class RowTable:
         state[:high] = self._state[:high]
         self._values, self._state = values, state
         self._slot_ids = grown(self._slot_ids, 0)
+        self._slot_tags = grown(self._slot_tags, 0)
         self._versions = grown(self._versions, 0)
         self._times = grown(self._times, 0.0)
         self._live = grown(self._live, False)
@@ -412,23 +326,20 @@ class RowTable:
 
     # --- eviction ----------------------------------------------------------------------------------------------
 
-    def _ages_evict(self) -> bool:
-        return bool(self.spec.evict_after_versions or self.spec.evict_after_seconds)
-
     def _too_old(self, slots: np.ndarray, version: int, now: float) -> np.ndarray:
-        spec = self.spec
-        old = np.zeros(len(slots), dtype=bool)
-        if spec.evict_after_versions:
-            old |= self._versions[slots] < version - spec.evict_after_versions
-        if spec.evict_after_seconds:
-            old |= self._times[slots] < now - spec.evict_after_seconds
-        return old
+        tags = self._slot_tags[slots] if self.tagged else 0
+        versions = self._old_versions[tags] if self.tagged else self._old_versions[0]
+        seconds = self._old_seconds[tags] if self.tagged else self._old_seconds[0]
+        old = (versions > 0) & (self._versions[slots] < version - versions)
+        old |= (seconds > 0) & (self._times[slots] < now - seconds)
+        return np.broadcast_to(old, slots.shape)
 
     def _drop(self, slots: np.ndarray) -> None:
         """Remove the rows in these (live, distinct) slots and release the slots."""
         if len(slots) == 0:
             return
-        self._index.remove_cells(self._index.find(self._slot_ids[slots]))
+        tags = self._slot_tags[slots] if self.tagged else None
+        self._index.remove_cells(self._index.find(self._slot_ids[slots], tags))
         self._live[slots] = False
         if self._nfree + len(slots) > len(self._free):
             free = np.empty(max(self._nfree + len(slots), 2 * len(self._free)), dtype=np.int64)
@@ -436,53 +347,62 @@ class RowTable:
             self._free = free
         self._free[self._nfree : self._nfree + len(slots)] = slots
         self._nfree += len(slots)
-        self.rows_evicted += len(slots)
+        dropped = self._per_table(tags, len(slots))
+        self.rows_evicted += dropped
+        self.rows_held -= dropped
 
     def expire(self, version: int, now: float) -> int:
-        """Drop now every row whose last update is more than evict_after_versions versions before `version` or more
-        than evict_after_seconds seconds before `now`; how many were dropped. apply runs this every few updates."""
+        """Drop now every row whose last update is more than its table's evict_after_versions versions before
+        `version` or more than its evict_after_seconds seconds before `now`; how many were dropped. apply runs
+        this every few updates."""
         self._ids_since_sweep = 0
-        if not self._ages_evict():
+        if not self._ages:
             return 0
         held = np.flatnonzero(self._live[: self._high])
         old = held[self._too_old(held, version, now)]
         self._drop(old)
         return len(old)
 
-    def evict_lru(self, rows_to_keep: int) -> int:
-        """Drop the least recently updated rows down to `rows_to_keep`; how many were dropped. Least recent is by
-        version, then time, then ID: a function of the logical state (state()), so a restored table evicts as the
-        original would."""
-        excess = self.rows - max(0, rows_to_keep)
+    def _held_of(self, tag: int) -> np.ndarray:
+        live = self._live[: self._high]
+        if self.tagged:
+            live = live & (self._slot_tags[: self._high] == tag)
+        return np.flatnonzero(live)
+
+    def evict_lru(self, rows_to_keep: int, tag: int = 0) -> int:
+        """Drop table `tag`'s least recently updated rows down to `rows_to_keep`; how many were dropped. Least
+        recent is by version, then time, then ID: a function of the logical state (state()), so a restored table
+        evicts as the original would."""
+        excess = int(self.rows_held[tag]) - max(0, rows_to_keep)
         if excess <= 0:
             return 0
         left = excess
         while left:
-            slots, ids, versions, times = self._lru
-            if self._lru_next >= len(slots):
-                self._scan_lru(left)
+            slots, ids, versions, times = self._lru.get(tag, _NO_LRU)
+            start = self._lru_next.get(tag, 0)
+            if start >= len(slots):
+                self._scan_lru(left, tag)
                 continue
-            window = slice(self._lru_next, self._lru_next + 2 * left + 64)
+            window = slice(start, start + 2 * left + 64)
             s = slots[window]
             # An entry still stands for its row while the slot holds the same ID, not updated since the scan.
             valid = self._live[s] & (self._slot_ids[s] == ids[window])
             valid &= (self._versions[s] == versions[window]) & (self._times[s] == times[window])
+            if self.tagged:
+                valid &= self._slot_tags[s] == tag
             taken = np.flatnonzero(valid)[:left]
-            if len(taken) == left:
-                self._lru_next += int(taken[-1]) + 1
-            else:
-                self._lru_next += len(s)
+            self._lru_next[tag] = start + (int(taken[-1]) + 1 if len(taken) == left else len(s))
             self._drop(s[taken])
             left -= len(taken)
         return excess
 
-    def _scan_lru(self, needed: int) -> None:
-        """Queue the oldest rows, oldest first: `needed` of them and a reserve for later evictions.
+    def _scan_lru(self, needed: int, tag: int) -> None:
+        """Queue table `tag`'s oldest rows, oldest first: `needed` of them and a reserve for later evictions.
 
         Rows updated after the scan are newer than all of them while versions and times do not go back, so the
         queue's unchanged entries stay the oldest rows until it is used up: one O(rows) scan serves many applies
         of a table at its capacity."""
-        held = np.flatnonzero(self._live[: self._high])
+        held = self._held_of(tag)
         versions = self._versions[held]
         take = min(len(held), max(8 * needed, len(held) // 16))
         if take < len(held):
@@ -491,20 +411,20 @@ class RowTable:
             versions = self._versions[held]
         ids, times = self._slot_ids[held], self._times[held]
         order = np.lexsort((ids, times, versions))[:take]
-        self._lru = (held[order], ids[order], versions[order], times[order])
-        self._lru_next = 0
+        self._lru[tag] = (held[order], ids[order], versions[order], times[order])
+        self._lru_next[tag] = 0
 
     # --- checkpoints -------------------------------------------------------------------------------------------
 
-    def state(self) -> dict[str, np.ndarray]:
-        """The table's whole logical state as plain numpy arrays, rows in ascending ID order (two tables holding
-        the same rows give equal arrays, whatever their slots): ids, values, optimizer_state, versions, times,
-        count_ids, counts, step. The counters (ids_seen, ...) and the admission RNG's position are not in it."""
-        held = np.flatnonzero(self._live[: self._high])
-        order = np.argsort(self._slot_ids[held], kind="stable")
-        slots = held[order]
+    def state(self, tag: int = 0) -> dict[str, np.ndarray]:
+        """Table `tag`'s whole logical state as plain numpy arrays, rows in ascending ID order (two tables holding
+        the same rows give equal arrays, whatever their slots or group): ids, values, optimizer_state, versions,
+        times, count_ids, counts, step. The counters (ids_seen, ...) and the admission RNG's position are not in
+        it."""
+        held = self._held_of(tag)
+        slots = held[np.argsort(self._slot_ids[held], kind="stable")]
         s = torch.from_numpy(slots)
-        count_ids, counts = self._counts.items()
+        count_ids, counts = self._counts.items(tag)
         return {
             "ids": self._slot_ids[slots],
             "values": self._values.index_select(0, s).numpy(),
@@ -513,8 +433,62 @@ class RowTable:
             "times": self._times[slots],
             "count_ids": count_ids,
             "counts": counts,
-            "step": np.array([self.steps], dtype=np.int64),
+            "step": np.array([self.steps[tag]], dtype=np.int64),
         }
+
+    @classmethod
+    def from_states(
+        cls,
+        specs: Sequence[TableSpec],
+        optimizer: str,
+        lr: float,
+        states: Sequence[dict[str, np.ndarray]],
+        seed_rng: int = 0,
+    ) -> RowGroup:
+        """A group holding exactly what each table's `state()` returned; ValueError when the arrays do not fit."""
+        group = cls(specs, optimizer, lr, seed_rng)
+        if len(states) != len(group.specs):
+            raise ValueError(f"{len(states)} table states for a group of {len(group.specs)} tables")
+        for tag, (spec, state) in enumerate(zip(group.specs, states, strict=True)):
+            group._load(tag, checked_state(spec, group.state_cols, state))
+        return group
+
+    def _load(self, tag: int, a: dict[str, np.ndarray]) -> None:
+        self.steps[tag] = int(a["step"][0])
+        n = len(a["ids"])
+        tags = np.full(n, tag, dtype=np.int32) if self.tagged else None
+        if n:
+            slots = self._take_slots(n)
+            s = torch.from_numpy(slots)
+            self._values.index_copy_(0, s, torch.from_numpy(np.ascontiguousarray(a["values"])))
+            self._state.index_copy_(0, s, torch.from_numpy(np.ascontiguousarray(a["optimizer_state"])))
+            self._slot_ids[slots] = a["ids"]
+            self._slot_tags[slots] = tag
+            self._versions[slots] = a["versions"]
+            self._times[slots] = a["times"]
+            self._live[slots] = True
+            self._index.insert(a["ids"], slots, tags)
+            self.rows_held[tag] += n
+        count_ids = a["count_ids"]
+        self._counts.insert(count_ids, a["counts"], np.full(len(count_ids), tag, np.int32) if self.tagged else None)
+
+    def state_bytes(self, tag: int = 0) -> bytes:
+        """Table `tag`'s logical state (state()) as one deterministic byte string: equal exactly when the states
+        are."""
+        parts = []
+        for key, arr in sorted(self.state(tag).items()):
+            arr = np.ascontiguousarray(arr)
+            parts.append(f"{key}:{arr.dtype.str}:{arr.shape};".encode())
+            parts.append(arr.tobytes())
+        return b"".join(parts)
+
+
+class RowTable(RowGroup):
+    """One sparse table's rows on one shard: a group of one table, with that table's figures as plain ints."""
+
+    def __init__(self, spec: TableSpec, optimizer: str, lr: float, seed_rng: int = 0) -> None:
+        super().__init__([spec], optimizer, lr, seed_rng)
+        self.spec = spec
 
     @classmethod
     def from_state(
@@ -522,54 +496,5 @@ class RowTable:
     ) -> RowTable:
         """A table holding exactly what `state()` returned; ValueError when the arrays do not fit together."""
         table = cls(spec, optimizer, lr, seed_rng)
-        missing = [k for k in _STATE_KEYS if k not in state]
-        if missing:
-            raise ValueError(f"table {spec.name!r}: the state lacks {', '.join(missing)}")
-        a = {k: np.asarray(state[k]) for k in _STATE_KEYS}
-        n = len(a["ids"]) if a["ids"].ndim == 1 else -1
-        shapes = {
-            "ids": ((n,), np.int64),
-            "values": ((n, spec.dim), np.float32),
-            "optimizer_state": ((n, table.state_cols), np.float32),
-            "versions": ((n,), np.int64),
-            "times": ((n,), np.float64),
-            "count_ids": ((len(a["count_ids"]),), np.int64),
-            "counts": ((len(a["count_ids"]),), np.int64),
-            "step": ((1,), np.int64),
-        }
-        for key, (shape, dtype) in shapes.items():
-            if a[key].shape != shape or a[key].dtype != dtype:
-                raise ValueError(
-                    f"table {spec.name!r}: state {key!r} is {a[key].dtype}{list(a[key].shape)}, "
-                    f"expected {np.dtype(dtype)}{list(shape)}"
-                )
-        ids, count_ids = a["ids"], a["count_ids"]
-        if n > 1 and not (np.diff(ids) > 0).all():
-            raise ValueError(f"table {spec.name!r}: state ids are not unique and ascending")
-        if len(count_ids) > 1 and not (np.diff(count_ids) > 0).all():
-            raise ValueError(f"table {spec.name!r}: state count_ids are not unique and ascending")
-        if len(count_ids) and ((a["counts"] < 1).any() or np.isin(count_ids, ids).any()):
-            raise ValueError(f"table {spec.name!r}: state counts must be >= 1 and only for IDs without a row")
-        if a["step"][0] < 0:
-            raise ValueError(f"table {spec.name!r}: state step is negative")
-        table.steps = int(a["step"][0])
-        if n:
-            slots = table._take_slots(n)
-            table._values[:n] = torch.from_numpy(np.ascontiguousarray(a["values"]))
-            table._state[:n] = torch.from_numpy(np.ascontiguousarray(a["optimizer_state"]))
-            table._slot_ids[slots] = ids
-            table._versions[slots] = a["versions"]
-            table._times[slots] = a["times"]
-            table._live[slots] = True
-            table._index.insert(ids, slots)
-        table._counts.insert(count_ids, a["counts"])
+        table._load(0, checked_state(spec, table.state_cols, state))
         return table
-
-    def state_bytes(self) -> bytes:
-        """The whole logical state (state()) as one deterministic byte string: equal exactly when the states are."""
-        parts = []
-        for key, arr in sorted(self.state().items()):
-            arr = np.ascontiguousarray(arr)
-            parts.append(f"{key}:{arr.dtype.str}:{arr.shape};".encode())
-            parts.append(arr.tobytes())
-        return b"".join(parts)

@@ -1,9 +1,11 @@
 """A shard's sparse tables: its rows of every table of the model, the checks on rows that arrive, and the memory cap.
 
-Rows arrive as `RowBlock`s: one table's IDs and, in a push, their summed gradients. They are received into arrays
-planned from the request (`plan`), then checked whole (`ShardTables.check`) before anything applies, so a refused
-push or lookup leaves every table exactly as it was. Each table's rows, optimizer state, admission counts and
-eviction live in paramserver.shard.row_store.RowTable.
+Rows arrive as `RowBlock`s (paramserver.shard.row_blocks): one table's IDs and, in a push, their summed gradients.
+They are received into arrays planned from the request (`plan`), then checked whole (`ShardTables.check`) before
+anything applies, so a refused push or lookup leaves every table exactly as it was. Tables of one width, row
+optimizer and learning rate share one store (paramserver.shard.row_store.RowGroup: rows, optimizer state, admission
+counts, eviction), and a request's blocks of one group are planned as slices of one buffer, so the group checks,
+applies and looks them up as one batch: a model of 52 tables costs a shard a few calls per group, not per table.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from paramserver.config import ServerConfig
 from paramserver.errors import InvalidArgument, MalformedStream, TooLarge
-from paramserver.shard.row_store import RowTable
+from paramserver.shard.row_blocks import RowBlock, combine, joined, planned
+from paramserver.shard.row_store import RowGroup
 from paramserver.tables import TableSpec, shard_of
 from paramserver.v1 import ps_pb2
 
@@ -27,23 +29,6 @@ log = logging.getLogger(__name__)
 # The most bytes of rows and IDs one request may carry (RESOURCE_EXHAUSTED beyond), checked before a shard
 # allocates the arrays to receive them: a frame's payload is not in memory when the message announcing it is read.
 MAX_ROWS_BYTES = 64 << 20
-
-
-@dataclass
-class RowBlock:
-    """One table's rows in one request: IDs (int64), and values (float32 [count, dim]) unless it is a lookup."""
-
-    table: int
-    ids: np.ndarray
-    values: np.ndarray | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.ids.nbytes) + (int(self.values.nbytes) if self.values is not None else 0)
-
-    def arrays(self) -> list[np.ndarray]:
-        """The arrays in payload order: the IDs, then the values."""
-        return [self.ids] if self.values is None else [self.ids, self.values]
 
 
 @dataclass
@@ -105,44 +90,107 @@ class TableFigures:
 
     rows: int
     nbytes: int  # what the memory cap counts: rows x (row_bytes + ROW_OVERHEAD_BYTES)
-    allocated_bytes: int
+    allocated_bytes: int  # the table's share of its group's allocation, by rows held
     rows_admitted: int
     rows_evicted: int
     ids_seen: int
 
 
-def held_bytes(table: RowTable) -> int:
-    """The bytes the memory cap counts for a table's rows."""
-    return table.rows * (table.row_bytes + ROW_OVERHEAD_BYTES)
+@dataclass(frozen=True)
+class TableView:
+    """One table of a shard, as a part of its group: its rows, reads and state."""
+
+    group: RowGroup
+    tag: int
+
+    @property
+    def spec(self) -> TableSpec:
+        return self.group.specs[self.tag]
+
+    @property
+    def rows(self) -> int:
+        """Rows held."""
+        return int(self.group.rows_held[self.tag])
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes the memory cap counts for the table's rows."""
+        return self.rows * (self.group.row_bytes + ROW_OVERHEAD_BYTES)
+
+    def _tags(self, n: int) -> np.ndarray | None:
+        return np.full(n, self.tag, dtype=np.int32) if self.group.tagged else None
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """The current rows of these IDs (initial values where none is held)."""
+        return self.group.lookup(ids, self._tags(len(ids)))
+
+    def missing(self, ids: np.ndarray) -> int:
+        return self.group.missing(ids, self._tags(len(ids)))
+
+    def state(self) -> dict[str, np.ndarray]:
+        return self.group.state(self.tag)
+
+    def state_bytes(self) -> bytes:
+        return self.group.state_bytes(self.tag)
+
+
+@dataclass
+class _Batch:
+    """A request's blocks of one group as one batch: the IDs (and values) of its blocks one after the other."""
+
+    group: int
+    blocks: list[int]  # the positions of its blocks in the request
+    ids: np.ndarray
+    values: np.ndarray | None
+    tags: np.ndarray | None  # each ID's table in the group (None in a group of one)
+    tables: np.ndarray  # each ID's table index in the model
 
 
 class ShardTables:
-    """This shard's rows of every table of one model."""
+    """This shard's rows of every table of one model, in groups of one width, row optimizer and learning rate."""
 
     def __init__(self, specs: Sequence[TableSpec], index: int, num_shards: int, config: ServerConfig) -> None:
         self.specs = tuple(specs)
         self.index = index
         self.num_shards = num_shards
         self.config = config
-        self.tables = [RowTable(s, s.row_optimizer(config.optimizer), s.lr or config.lr) for s in self.specs]
+        kinds: dict[tuple[int, str, float], list[int]] = {}
+        for k, s in enumerate(self.specs):
+            kinds.setdefault((s.dim, s.row_optimizer(config.optimizer), s.lr or config.lr), []).append(k)
+        self._kinds = list(kinds)
+        self._members = list(kinds.values())  # each group's tables (model indexes), its tags in order
+        self._group_of = np.zeros(len(self.specs), dtype=np.int64)
+        self._tag_of = np.zeros(len(self.specs), dtype=np.int32)
+        for g, members in enumerate(self._members):
+            self._group_of[members] = g
+            self._tag_of[members] = np.arange(len(members))
+        self._bounds = np.array([s.num_embeddings for s in self.specs], dtype=np.int64)
+        self.groups = [
+            RowGroup([self.specs[k] for k in m], opt, lr) for (_, opt, lr), m in zip(kinds, self._members, strict=True)
+        ]
         self._warned_full = False
 
     def __len__(self) -> int:
-        return len(self.tables)
+        return len(self.specs)
 
     def __bool__(self) -> bool:
-        return bool(self.tables)
+        return bool(self.specs)
+
+    @property
+    def tables(self) -> list[TableView]:
+        """Every table, in the model's order."""
+        return [TableView(self.groups[g], int(t)) for g, t in zip(self._group_of, self._tag_of, strict=True)]
 
     # -- requests ------------------------------------------------------------------------------------------------
 
     def plan(self, request_rows: Sequence[ps_pb2.Rows], request_lookups: Sequence[ps_pb2.Rows]) -> SparseIn:
         """Arrays to receive a request's rows and lookups into; InvalidArgument for an unknown table or a count
-        past MAX_ROWS_BYTES (TooLarge), before anything is allocated."""
+        past MAX_ROWS_BYTES (TooLarge), before anything is allocated. A group's blocks are slices of one buffer."""
         total = 0
         for entry, values in [*((e, True) for e in request_rows), *((e, False) for e in request_lookups)]:
-            if entry.table >= len(self.tables):
+            if entry.table >= len(self.specs):
                 raise InvalidArgument(
-                    f"rows for table {entry.table}, but the model has {len(self.tables)} table(s)"
+                    f"rows for table {entry.table}, but the model has {len(self.specs)} table(s)"
                     + (f" ({', '.join(s.name for s in self.specs)})" if self.specs else "")
                 )
             total += entry.count * (8 + (4 * self.specs[entry.table].dim if values else 0))
@@ -151,46 +199,91 @@ class ShardTables:
                 f"{total} bytes of rows and IDs in one request, over the limit of {MAX_ROWS_BYTES}: send smaller "
                 "batches"
             )
-        rows = [
-            RowBlock(
-                e.table,
-                np.empty(e.count, dtype=np.int64),
-                np.empty((e.count, self.specs[e.table].dim), dtype=np.float32),
-            )
-            for e in request_rows
-        ]
-        lookups = [RowBlock(e.table, np.empty(e.count, dtype=np.int64)) for e in request_lookups]
+        pushed = zip(request_rows, self._arrays(request_rows, True), strict=True)
+        looked = zip(request_lookups, self._arrays(request_lookups, False), strict=True)
+        rows = [RowBlock(e.table, ids, values, at) for e, (ids, values, at) in pushed]
+        lookups = [RowBlock(e.table, ids, None, at) for e, (ids, _, at) in looked]
         return SparseIn(rows, lookups)
+
+    def _arrays(self, entries: Sequence[ps_pb2.Rows], values: bool) -> list[tuple[np.ndarray, np.ndarray | None, int]]:
+        """Each entry's IDs (and values), a group's entries as consecutive slices of one buffer, and where each
+        starts in it."""
+        out: list[tuple[np.ndarray, np.ndarray | None, int]] = [(np.empty(0, np.int64), None, -1)] * len(entries)
+        by_group: dict[int, list[int]] = {}
+        for i, e in enumerate(entries):
+            by_group.setdefault(int(self._group_of[e.table]), []).append(i)
+        for g, where in by_group.items():
+            counts = [entries[i].count for i in where]
+            ids, starts = planned(counts, None)
+            vals: list[np.ndarray | None] = [None] * len(where)
+            if values:
+                vals[:] = planned(counts, self.groups[g].dim)[0]
+            for i, a, v, at in zip(where, ids, vals, starts, strict=True):
+                out[i] = (a, v, at)
+        return out
+
+    def _batches(self, blocks: Sequence[RowBlock]) -> list[_Batch]:
+        """The blocks as one batch per group (in the order groups first appear)."""
+        by_group: dict[int, list[int]] = {}
+        for i, b in enumerate(blocks):
+            by_group.setdefault(int(self._group_of[b.table]), []).append(i)
+        out = []
+        for g, where in by_group.items():
+            parts = [blocks[i] for i in where]
+            tables = np.array([b.table for b in parts], dtype=np.int64)
+            counts = [len(b.ids) for b in parts]
+            values = joined(parts, values=True) if parts[0].values is not None else None
+            tags = np.repeat(self._tag_of[tables], counts) if self.groups[g].tagged else None
+            out.append(_Batch(g, where, joined(parts), values, tags, np.repeat(tables, counts)))
+        return out
 
     def check(self, blocks: Sequence[RowBlock]) -> None:
         """Refuse (InvalidArgument) IDs this shard cannot take: outside a bounded table, held by another shard,
         twice in one request; and values that are NaN or infinite. Nothing is changed either way."""
         seen: set[int] = set()
         for block in blocks:
-            spec = self.specs[block.table]
-            name = f"table {spec.name!r}"
             if block.values is not None:
                 if block.table in seen:
-                    raise InvalidArgument(f"{name} appears twice in one push: send each table's rows once")
-                seen.add(block.table)
-            ids = block.ids
-            problem = spec.check_ids(ids)
-            if problem:
-                raise InvalidArgument(problem)
-            # Clients send each shard's IDs sorted (torch.unique's order): then one comparison proves them distinct.
-            if len(ids) > 1 and not (ids[1:] > ids[:-1]).all() and len(np.unique(ids)) != len(ids):
-                raise InvalidArgument(f"{name}: an ID appears more than once in one request: sum its rows first")
-            if len(ids) and self.num_shards > 1:
-                owner = shard_of(ids, self.num_shards)
-                wrong = np.flatnonzero(owner != self.index)
-                if len(wrong):
-                    bad = int(ids[wrong[0]])
                     raise InvalidArgument(
-                        f"{name}: ID {bad} belongs to shard {int(owner[wrong[0]])}, not {self.index} (mix64(id) mod "
-                        f"{self.num_shards}, see ps.proto TableSpec)"
+                        f"table {self.specs[block.table].name!r} appears twice in one push: send each table's rows once"
                     )
-            if block.values is not None and not np.isfinite(block.values).all():
-                raise InvalidArgument(f"{name}: NaN or Inf in the rows' gradients")
+                seen.add(block.table)
+        for batch in self._batches(blocks):
+            self._check_batch(blocks, batch)
+
+    def _check_batch(self, blocks: Sequence[RowBlock], batch: _Batch) -> None:
+        ids, tables = batch.ids, batch.tables
+        if not len(ids):
+            return
+        bounds = self._bounds[tables]
+        outside = (bounds > 0) & ((ids < 0) | (ids >= bounds))
+        if outside.any():
+            k = int(tables[np.argmax(outside)])
+            raise InvalidArgument(self.specs[k].check_ids(ids[(tables == k)]))
+        # Clients send each shard's IDs sorted (torch.unique's order): then one comparison proves them distinct.
+        rising = ids[1:] > ids[:-1]
+        rising |= tables[1:] != tables[:-1]
+        if not rising.all():
+            for i in batch.blocks:
+                b = blocks[i]
+                if len(b.ids) > 1 and not (b.ids[1:] > b.ids[:-1]).all() and len(np.unique(b.ids)) != len(b.ids):
+                    raise InvalidArgument(
+                        f"table {self.specs[b.table].name!r}: an ID appears more than once in one request: sum its "
+                        "rows first"
+                    )
+        if self.num_shards > 1:
+            owner = shard_of(ids, self.num_shards)
+            wrong = np.flatnonzero(owner != self.index)
+            if len(wrong):
+                bad, name = int(ids[wrong[0]]), self.specs[int(tables[wrong[0]])].name
+                raise InvalidArgument(
+                    f"table {name!r}: ID {bad} belongs to shard {int(owner[wrong[0]])}, not {self.index} (mix64(id) "
+                    f"mod {self.num_shards}, see ps.proto TableSpec)"
+                )
+        if batch.values is not None and not np.isfinite(batch.values).all():
+            finite = np.isfinite(batch.values).all(axis=1)
+            name = self.specs[int(tables[np.argmin(finite)])].name
+            raise InvalidArgument(f"table {name!r}: NaN or Inf in the rows' gradients")
 
     def check_room(self, blocks: Sequence[RowBlock]) -> None:
         """Refuse (TooLarge: RESOURCE_EXHAUSTED) a push whose new rows would take the tables past the shard's
@@ -198,9 +291,10 @@ class ShardTables:
         if self.config.table_overflow != "refuse" or not blocks:
             return
         limit = self.table_bytes_limit()
-        grow = sum(
-            self.tables[b.table].missing(b.ids) * (self.tables[b.table].row_bytes + ROW_OVERHEAD_BYTES) for b in blocks
-        )
+        grow = 0
+        for batch in self._batches(blocks):
+            group = self.groups[batch.group]
+            grow += group.missing(batch.ids, batch.tags) * (group.row_bytes + ROW_OVERHEAD_BYTES)
         if grow and self.nbytes + grow > limit:
             raise TooLarge(
                 f"this push would make rows of {grow} bytes, and the tables of shard {self.index} hold {self.nbytes} "
@@ -211,24 +305,31 @@ class ShardTables:
     # -- reads and updates ---------------------------------------------------------------------------------------
 
     def lookup(self, blocks: Sequence[RowBlock]) -> list[np.ndarray]:
-        """The current rows of each block's IDs (initial values where none is held)."""
-        return [self.tables[b.table].lookup(b.ids) for b in blocks]
+        """The current rows of each block's IDs (initial values where none is held), a group's at once."""
+        out: list[np.ndarray] = [np.empty((0, 0), np.float32)] * len(blocks)
+        for batch in self._batches(blocks):
+            rows = self.groups[batch.group].lookup(batch.ids, batch.tags)
+            at = 0
+            for i in batch.blocks:
+                n = len(blocks[i].ids)
+                out[i] = rows[at : at + n]
+                at += n
+        return out
 
     def apply(self, blocks: Sequence[RowBlock], version: int, wall: float | None = None) -> None:
         """Apply one update's row gradients (each block's IDs unique), then evict what the tables' policies and
         the memory cap say. `wall`: when the update first applied (time.time(); a replay's), else now."""
         now = time.monotonic() if wall is None else wall - (time.time() - time.monotonic())
-        for b in blocks:
-            assert b.values is not None
-            self.tables[b.table].apply(b.ids, b.values, version, now)
-        touched = {b.table for b in blocks}
-        for k, table in enumerate(self.tables):
-            if k not in touched:
-                # A table's step counts the job's updates, as torch.optim.SparseAdam counts its steps (its bias
-                # correction), not only those that brought this shard some of its rows.
-                table.steps += 1
-        for table in self.tables:
-            table.expire(version, now)
+        touched = set()
+        for batch in self._batches(blocks):
+            assert batch.values is not None
+            self.groups[batch.group].apply(batch.ids, batch.values, version, now, batch.tags)
+            touched.add(batch.group)
+        for g, group in enumerate(self.groups):
+            if g not in touched:
+                group.tick()
+        for group in self.groups:
+            group.expire(version, now)
         self._keep_within_limit()
 
     def _keep_within_limit(self) -> None:
@@ -239,11 +340,11 @@ class ShardTables:
         over = self.nbytes - limit
         held = self.nbytes
         for table in self.tables:
-            share = over * held_bytes(table) / held
-            cost = table.row_bytes + ROW_OVERHEAD_BYTES
+            share = over * table.held_bytes / held
+            cost = table.group.row_bytes + ROW_OVERHEAD_BYTES
             drop = min(table.rows, -(-int(share) // cost))
             if drop:
-                table.evict_lru(table.rows - drop)
+                table.group.evict_lru(table.rows - drop, table.tag)
         if not self._warned_full:
             self._warned_full = True
             log.warning(
@@ -259,38 +360,14 @@ class ShardTables:
     @property
     def nbytes(self) -> int:
         """What the memory cap counts of every table's rows (see ROW_OVERHEAD_BYTES)."""
-        return sum(held_bytes(t) for t in self.tables)
+        return sum(g.rows * (g.row_bytes + ROW_OVERHEAD_BYTES) for g in self.groups)
 
     # -- sync rounds ---------------------------------------------------------------------------------------------
 
     @staticmethod
     def combine(blocks: Sequence[RowBlock], divide_by: int) -> list[RowBlock]:
-        """One block per table from a round's blocks (several workers'): the gradients of an ID summed, then all
-        divided by the round's number of gradients, as the dense sum is."""
-        by_table: dict[int, list[RowBlock]] = {}
-        for b in blocks:
-            by_table.setdefault(b.table, []).append(b)
-        out = []
-        for table, group in sorted(by_table.items()):
-            if len(group) == 1:
-                ids, values = group[0].ids, group[0].values
-                assert values is not None
-                if divide_by > 1:
-                    values = values / np.float32(divide_by)
-                out.append(RowBlock(table, ids, values))
-                continue
-            all_ids = np.concatenate([g.ids for g in group])
-            unique, inverse = np.unique(all_ids, return_inverse=True)
-            summed = torch.zeros((len(unique), group[0].values.shape[1]), dtype=torch.float32)  # type: ignore[union-attr]
-            summed.index_add_(
-                0,
-                torch.from_numpy(inverse.astype(np.int64)),
-                torch.from_numpy(np.concatenate([g.values for g in group])),  # type: ignore[misc]
-            )
-            if divide_by > 1:
-                summed.div_(divide_by)
-            out.append(RowBlock(table, unique, summed.numpy()))
-        return out
+        """One block per table from a round's blocks (see paramserver.shard.row_blocks.combine)."""
+        return combine(blocks, divide_by)
 
     # -- state ---------------------------------------------------------------------------------------------------
 
@@ -307,22 +384,35 @@ class ShardTables:
 
     def restore(self, states: Sequence[dict[str, np.ndarray]]) -> None:
         """Take the tables' rows from a checkpoint's `snapshot` (ValueError when they do not fit the tables)."""
-        if len(states) != len(self.tables):
-            raise ValueError(f"the checkpoint holds {len(states)} tables, the model {len(self.tables)}")
+        if len(states) != len(self.specs):
+            raise ValueError(f"the checkpoint holds {len(states)} tables, the model {len(self.specs)}")
         shift = time.time() - time.monotonic()
-        restored = []
-        for spec, table, state in zip(self.specs, self.tables, states, strict=True):
+        moved = []
+        for state in states:
             state = dict(state)
             state["times"] = np.asarray(state["times"], dtype=np.float64) - shift
-            restored.append(RowTable.from_state(spec, table.optimizer.name, table.lr, state))
-        self.tables = restored
+            moved.append(state)
+        self.groups = [
+            RowGroup.from_states([self.specs[k] for k in m], opt, lr, [moved[k] for k in m])
+            for (_, opt, lr), m in zip(self._kinds, self._members, strict=True)
+        ]
 
     def state_bytes(self) -> bytes:
         return b"|".join(t.state_bytes() for t in self.tables)
 
     def figures(self) -> list[tuple[str, TableFigures]]:
         """Each table's figures, by name (for the metrics)."""
-        return [
-            (spec.name, TableFigures(t.rows, held_bytes(t), t.nbytes, t.rows_admitted, t.rows_evicted, t.ids_seen))
-            for spec, t in zip(self.specs, self.tables, strict=True)
-        ]
+        out = []
+        for t in self.tables:
+            g, tag = t.group, t.tag
+            share = g.nbytes * t.rows // g.rows if g.rows else (g.nbytes if len(g.specs) == 1 else 0)
+            figures = TableFigures(
+                t.rows,
+                t.held_bytes,
+                int(share),
+                int(g.rows_admitted[tag]),
+                int(g.rows_evicted[tag]),
+                int(g.ids_seen[tag]),
+            )
+            out.append((t.spec.name, figures))
+        return out

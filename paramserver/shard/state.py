@@ -573,6 +573,7 @@ class Shard:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self.maintenance.stop()
 
     def close(self) -> None:
         """Write a final checkpoint (once no RPC can change the state any more) and stop the background threads."""
