@@ -264,6 +264,27 @@ def test_prefetching_the_next_batch_rows_changes_nothing_but_the_round_trips(
             torch.testing.assert_close(model.fc.weight, local.fc.weight, atol=1e-5, rtol=1e-5)
 
 
+def test_a_forward_pass_on_other_ids_than_prefetched_looks_them_up(ps_cluster_factory: Callable[..., object]) -> None:
+    """prefetch also computes the IDs' torch.unique for the forward pass; IDs changed in place since, or another
+    tensor, are looked up and gathered as they are now."""
+    cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=0.5), shards=2)
+    table = SparseEmbedding(dim=3, seed=2)
+    model = torch.nn.ModuleDict({"t": table, "fc": torch.nn.Linear(1, 1)})
+    with PSClient(cluster.address) as client:  # type: ignore[attr-defined]
+        client.register(model)
+        table(torch.tensor([1, 2, 3])).sum().backward()
+        ids = torch.tensor([[4, 5], [5, 6]])
+        table.prefetch(ids)
+        client.push_pull(model)
+        want = {i: client.lookup(model, 0, np.array([i]))[0] for i in (4, 5, 6, 7, 9)}
+        np.testing.assert_array_equal(table(ids).detach().numpy(), [[want[4], want[5]], [want[5], want[6]]])
+        table.prefetch(ids)
+        ids[0, 0] = 9  # after prefetch: the forward pass must see 9, not 4
+        np.testing.assert_array_equal(table(ids).detach().numpy(), [[want[9], want[5]], [want[5], want[6]]])
+        table.prefetch(ids)
+        np.testing.assert_array_equal(table(torch.tensor([7])).detach().numpy(), [want[7]])
+
+
 @pytest.mark.timeout(180)
 def test_a_shard_killed_mid_training_comes_back_with_every_row_it_acknowledged(tmp_path: object) -> None:
     """SIGKILL a shard process of a sparse model; restarted (its newest checkpoint and the write-ahead log after

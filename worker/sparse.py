@@ -106,6 +106,9 @@ class SparseEmbedding(nn.Module):
         self._touched: list[tuple[np.ndarray, torch.Tensor]] = []
         self._planned: np.ndarray | None = None  # unique IDs the next push_pull looks up (prefetch)
         self._ready: tuple[np.ndarray, np.ndarray] | None = None  # (unique IDs, rows) the last push_pull fetched
+        # (the IDs prefetch was given, their unique IDs, the inverse): the forward pass on those IDs needs no
+        # torch.unique of its own
+        self._prepared: tuple[torch.Tensor, torch.Tensor, np.ndarray, torch.Tensor] | None = None
 
     def spec(self, name: str) -> TableSpec:
         """This table's spec under `name` (its path in the model, as PSClient.register names it)."""
@@ -120,14 +123,16 @@ class SparseEmbedding(nn.Module):
         """Read rows from `source` from now on (PSClient.register calls this); None detaches."""
         self._source = source
         self._touched = []
-        self._planned = self._ready = None
+        self._planned = self._ready = self._prepared = None
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Say which IDs the next forward pass will look up: the next `client.push_pull(model)` then fetches their
         rows in the same exchange, after its update applied (the rows of the version it pulls), and that forward
         pass uses them instead of asking the shards again: one round trip per step instead of two. A forward pass
         with other IDs looks them up as usual."""
-        self._planned = torch.unique(ids.reshape(-1)).to("cpu", torch.int64).numpy()
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        self._planned = unique.to("cpu", torch.int64).numpy()
+        self._prepared = (ids.clone(), unique, self._planned, inverse)  # a copy: the caller may reuse its tensor
         self._ready = None
 
     def take_planned(self) -> np.ndarray | None:
@@ -151,10 +156,9 @@ class SparseEmbedding(nn.Module):
             raise ValueError(
                 "mode None takes ids alone; mode 'sum' or 'mean' takes 1-D ids and the offsets where each bag starts"
             )
-        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-        wanted = unique.to("cpu", torch.int64).numpy()
+        wanted, inverse = self._unique(ids)
         ready, self._ready = self._ready, None
-        if ready is not None and np.array_equal(ready[0], wanted):
+        if ready is not None and (ready[0] is wanted or np.array_equal(ready[0], wanted)):
             rows = torch.from_numpy(ready[1])
         else:
             rows = torch.from_numpy(self._source.lookup(wanted))
@@ -169,6 +173,22 @@ class SparseEmbedding(nn.Module):
         if offsets is None:
             return F.embedding(inverse.reshape(ids.shape), rows)
         return F.embedding_bag(inverse, rows, offsets, mode=self.mode or "mean")
+
+    def _unique(self, ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+        """The unique IDs (int64, on the CPU) and each ID's position among them: those prefetch computed when these
+        are the IDs it was given (the usual loop), else computed now."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            given, _, unique, inverse = prepared
+            if (
+                given.shape == ids.shape
+                and given.device == ids.device
+                and given.dtype == ids.dtype
+                and torch.equal(given, ids)
+            ):
+                return unique, inverse.to(ids.device)
+        unique_t, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        return unique_t.to("cpu", torch.int64).numpy(), inverse
 
     def take_gradients(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The unique IDs touched since the last call and the summed gradient of each row (float32 [n, dim], on the

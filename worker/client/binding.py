@@ -41,6 +41,9 @@ class Binding:
     host: list[torch.Tensor | None]  # a CPU float32 mirror for buffers and tensors that are not CPU-contiguous
     largest_part: int = 0  # elements of the largest shard's part
     tables: list[SparseEmbedding] = field(default_factory=list)  # the model's sparse tables, placement.tables' order
+    # table -> (the unique IDs its last push prefetched, their positions per shard): the next push's row gradients
+    # are for those same IDs (worker.client.rows)
+    placed: dict[int, tuple[np.ndarray, list[np.ndarray | None]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.buffer = [s.buffer for s in self.placement.specs]

@@ -41,12 +41,17 @@ def row_jobs(b: Binding, num_shards: int) -> tuple[list[SparseJob | None] | None
         return job
 
     fetched: list[tuple[SparseEmbedding, np.ndarray, np.ndarray, list[tuple[np.ndarray, TableRows]]]] = []
+    placed = b.placed
+    b.placed = {}
     for index, module in enumerate(b.tables):
         taken = module.take_gradients()
         if taken is not None:
             ids, grads = taken
             found = True
-            for k, where in enumerate(by_shard(ids, num_shards)):
+            # The rows a forward pass touched are those the last push prefetched: their split is known.
+            known = placed.get(index)
+            split = known[1] if known is not None and known[0] is ids else by_shard(ids, num_shards)
+            for k, where in enumerate(split):
                 if where is not None:
                     job_of(k).rows.append(TableRows(index, ids[where], values=np.ascontiguousarray(grads[where])))
         planned = module.take_planned()
@@ -54,7 +59,9 @@ def row_jobs(b: Binding, num_shards: int) -> tuple[list[SparseJob | None] | None
             found = True
             out = np.empty((len(planned), module.dim), dtype=np.float32)
             parts = []
-            for k, where in enumerate(by_shard(planned, num_shards)):
+            split = by_shard(planned, num_shards)
+            b.placed[index] = (planned, split)
+            for k, where in enumerate(split):
                 if where is not None:
                     part = TableRows(index, planned[where], out=np.empty((len(where), module.dim), np.float32))
                     job_of(k).lookups.append(part)
