@@ -130,29 +130,30 @@ def send_frame(
     (scatter-gather, no copy), so the peer wakes once per frame, not twice; a larger one follows it
     (`send_arrays`)."""
     end = end_of(head)
+    rows = [_bytes_of(r) for r in raw if r.nbytes]
     if payload_bytes(arrays, dtype, raw) > CHUNK_BYTES:
         sock.sendall(head)
         send_arrays(sock, arrays, dtype)
-        for r in raw:
-            if r.nbytes:
-                sock.sendall(_bytes_of(r))
-        sock.sendall(end)
+        # The raw arrays (a model's rows: one or two per table) in as few system calls as the system allows.
+        _send_parts(sock, [*rows, memoryview(end)])
         return
-    parts = [
-        memoryview(head),
-        *(data for _, _, data in iter_chunks(arrays, dtype, CHUNK_BYTES)),
-        *(_bytes_of(r) for r in raw if r.nbytes),
-        memoryview(end),
-    ]
-    if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS: one record stream, one copy of a small frame
+    parts = [memoryview(head), *(data for _, _, data in iter_chunks(arrays, dtype, CHUNK_BYTES)), *rows]
+    _send_parts(sock, [*parts, memoryview(end)])
+
+
+def _send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    """Send the buffers in order, scatter-gather (no copy), _MAX_PARTS a system call."""
+    if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS: one record stream, one copy
         sock.sendall(b"".join(parts))
         return
-    while parts:
-        sent = sock.sendmsg(parts[:_MAX_PARTS])
-        while parts and sent >= len(parts[0]):
-            sent -= len(parts.pop(0))
+    first = 0
+    while first < len(parts):
+        sent = sock.sendmsg(parts[first : first + _MAX_PARTS])
+        while first < len(parts) and sent >= len(parts[first]):
+            sent -= len(parts[first])
+            first += 1
         if sent:
-            parts[0] = parts[0][sent:]
+            parts[first] = parts[first][sent:]
 
 
 def send_arrays(sock: socket.socket, arrays: Sequence[np.ndarray], dtype: int) -> None:
@@ -164,10 +165,24 @@ def send_arrays(sock: socket.socket, arrays: Sequence[np.ndarray], dtype: int) -
 
 
 def recv_raw(sock: socket.socket, targets: Sequence[np.ndarray]) -> None:
-    """Receive the raw part of a payload straight into the (C-contiguous) target arrays' memory, in order."""
-    for t in targets:
-        if t.nbytes and not recv_into(sock, t.data.cast("B")):
+    """Receive the raw part of a payload straight into the (C-contiguous) target arrays' memory, in order: many
+    targets a system call (scatter-gather), as a model of many tables has two or three per table."""
+    views = [t.data.cast("B") for t in targets if t.nbytes]
+    if isinstance(sock, ssl.SSLSocket):  # no recvmsg_into over TLS
+        for v in views:
+            if not recv_into(sock, v):
+                raise ConnectionError("payload cut off")
+        return
+    first = 0
+    while first < len(views):
+        got = sock.recvmsg_into(views[first : first + _MAX_PARTS])[0]
+        if got == 0:
             raise ConnectionError("payload cut off")
+        while first < len(views) and got >= len(views[first]):
+            got -= len(views[first])
+            first += 1
+        if got:
+            views[first] = views[first][got:]
 
 
 def recv_arrays(sock: socket.socket, targets: Sequence[np.ndarray], dtype: int) -> None:
