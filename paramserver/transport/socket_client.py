@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 
 from paramserver.errors import MalformedStream, from_status
-from paramserver.transport.tcp import keep_alive
+from paramserver.transport.tcp import keep_alive, unix_buffers
 from paramserver.v1 import ps_pb2
 from paramserver.wire.chunks import FLOAT32
 from paramserver.wire.frames import (
@@ -89,6 +89,7 @@ class FrameClient:
         self.shard = shard
         if isinstance(address, str):
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix_buffers(self._sock)
             connect: Callable[[], None] = lambda: self._sock.connect(address)  # noqa: E731
         else:
             self._sock = socket.socket(socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0][0], socket.SOCK_STREAM)

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable
 
 from paramserver.errors import NotAttached, PermissionDenied, PSError, TooLarge, status_of
-from paramserver.transport.tcp import keep_alive
+from paramserver.transport.tcp import keep_alive, unix_buffers
 from paramserver.v1 import ps_pb2
 from paramserver.wire.frames import (
     EXCHANGE,
@@ -195,6 +195,8 @@ class FrameServer:
             if self._tcp:
                 raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 keep_alive(raw)
+            else:
+                unix_buffers(raw)
             raw.settimeout(HANDSHAKE_TIMEOUT)  # each wait; the watchdog bounds the whole handshake
             if self._tls is not None:
                 conn = self._tls.wrap_socket(raw, server_side=True)  # takes over raw's descriptor
