@@ -4,6 +4,8 @@ blocks of a request are one batch without a copy."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -29,15 +31,18 @@ def _specs(dim: int) -> list[TableSpec]:
     return [TableSpec(f"t{k}", dim, **policy) for k, policy in enumerate(POLICIES)]
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["hashed", "direct"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
-def test_a_group_does_to_each_table_what_a_table_of_its_own_does(optimizer: str) -> None:
-    specs = _specs(4)
-    group = RowGroup(specs, optimizer, 0.1)
+def test_a_group_does_to_each_table_what_a_table_of_its_own_does(optimizer: str, direct: bool) -> None:
+    # Direct: bounded tables, their rows indexed by position (id_hash.DirectIndex); hashed: any int64 ID.
+    specs = [replace(s, num_embeddings=20 + k) for k, s in enumerate(_specs(4))] if direct else _specs(4)
+    low = 0 if direct else -20
+    group = RowGroup(specs, optimizer, 0.1, direct=direct)
     alone = [RowTable(s, optimizer, 0.1) for s in specs]
     rng = np.random.default_rng(0)
     for version in range(1, 30):
         # The tables share their IDs: a group keys rows by (table, ID).
-        per_table = [np.unique(rng.integers(-20, 20, size=12)) for _ in specs]
+        per_table = [np.unique(rng.integers(low, 20, size=12)) for _ in specs]
         grads = [rng.standard_normal((len(ids), 4)).astype(np.float32) for ids in per_table]
         order = rng.permutation(len(specs))  # a batch's tables come in any order
         tags = np.concatenate([np.full(len(per_table[k]), k, np.int32) for k in order])
@@ -57,7 +62,7 @@ def test_a_group_does_to_each_table_what_a_table_of_its_own_does(optimizer: str)
         assert group.state_bytes(k) == table.state_bytes(), specs[k].name
         assert int(group.rows_held[k]) == table.rows
         assert (group.rows_admitted[k], group.rows_evicted[k]) == (table.rows_admitted[0], table.rows_evicted[0])
-    restored = RowGroup.from_states(specs, optimizer, 0.1, [group.state(k) for k in range(len(specs))])
+    restored = RowGroup.from_states(specs, optimizer, 0.1, [group.state(k) for k in range(len(specs))], direct=direct)
     assert all(restored.state_bytes(k) == group.state_bytes(k) for k in range(len(specs)))
 
 
@@ -111,12 +116,13 @@ def test_a_shard_groups_tables_by_width_optimizer_and_rate_and_answers_each_tabl
     assert tables.state_bytes() == before
 
 
-def test_a_round_combines_all_tables_of_a_width_at_once_as_a_loop_per_table_would() -> None:
+@pytest.mark.parametrize("low", [0, -(1 << 62)], ids=["keyed", "lexsorted"])
+def test_a_round_combines_all_tables_of_a_width_at_once_as_a_loop_per_table_would(low: int) -> None:
     rng = np.random.default_rng(1)
     blocks = []
     for _worker in range(3):
         for table in (0, 1, 2):
-            ids = np.unique(rng.integers(0, 30, size=10))
+            ids = np.unique(np.concatenate([rng.integers(0, 30, size=10), [low]]))
             blocks.append(RowBlock(table, ids, rng.standard_normal((len(ids), 1 + table % 2)).astype(np.float32)))
     got = combine(blocks, 3)
     assert [b.table for b in got] == [0, 1, 2]

@@ -7,6 +7,8 @@ so most keys resolve in the first round and the loop is over rounds, not keys.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from paramserver.tables import mix64
@@ -211,3 +213,69 @@ class IdHash:
         keys = self.keys[where]
         order = np.argsort(keys, kind="stable")
         return keys[order], self.vals[where][order].astype(np.int64)
+
+
+class DirectIndex:
+    """IdHash's interface over bounded tables, as one array: (tag, ID) -> slot at [offset of the tag + ID].
+
+    For a group whose tables are all bounded and small enough that an int32 per possible ID costs little beside
+    their rows (ShardTables decides): a lookup is one `take`, against IdHash's hashing and probing. A cell is the
+    position in that array. An ID outside its table's range is absent (the shard refuses such IDs before any
+    update; a read of one answers its initial row)."""
+
+    def __init__(self, sizes: Sequence[int], value_dtype: type[np.signedinteger] = np.int32) -> None:
+        self.tagged = len(sizes) > 1
+        self.sizes = np.array(sizes, dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        self.vals = np.full(int(self.sizes.sum()), EMPTY, dtype=value_dtype)
+        self.value_dtype = np.dtype(value_dtype)
+        self.live = 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.vals.nbytes)
+
+    def widen(self) -> None:
+        """Hold values beyond int32."""
+        self.vals = self.vals.astype(np.int64)
+        self.value_dtype = np.dtype(np.int64)
+
+    def _cells(self, ids: np.ndarray, tags: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Each key's cell (0 where out of range) and whether it is in range."""
+        sizes = self.sizes[tags] if tags is not None else self.sizes[0]
+        inside = (ids >= 0) & (ids < sizes)
+        cells = ids + self.offsets[tags] if tags is not None else ids.copy()
+        cells[~inside] = 0
+        return cells, inside
+
+    def find(self, ids: np.ndarray, tags: np.ndarray | None = None) -> np.ndarray:
+        """The cell holding each key, -1 where it is absent (int64)."""
+        cells, inside = self._cells(ids, tags)
+        return np.where(inside & (self.vals.take(cells) >= 0), cells, -1)
+
+    def get(self, ids: np.ndarray, tags: np.ndarray | None = None) -> np.ndarray:
+        """Each key's value, -1 where it is absent (int64)."""
+        cells, inside = self._cells(ids, tags)
+        out = self.vals.take(cells).astype(np.int64)
+        out[~inside] = -1
+        return out
+
+    def remove_cells(self, cells: np.ndarray) -> None:
+        """Remove the keys in these (live, distinct) cells."""
+        self.vals[cells] = EMPTY
+        self.live -= len(cells)
+
+    def insert(self, ids: np.ndarray, values: np.ndarray, tags: np.ndarray | None = None) -> None:
+        """Add keys that are absent, distinct and in range (the caller knows), with their values (>= 0)."""
+        cells, inside = self._cells(ids, tags)
+        if not inside.all():
+            raise ValueError("an ID outside its table's range has no cell")
+        self.vals[cells] = values
+        self.live += len(ids)
+
+    def items(self, tag: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Every live key (of `tag`) and its value, in ascending key order."""
+        t = tag or 0
+        part = self.vals[self.offsets[t] : self.offsets[t] + self.sizes[t]]
+        keys = np.flatnonzero(part >= 0).astype(np.int64)
+        return keys, part[keys].astype(np.int64)

@@ -86,15 +86,10 @@ def combine(blocks: Sequence[RowBlock], divide_by: int) -> list[RowBlock]:
             continue
         ids = np.concatenate([b.ids for b in group])
         tags = np.repeat(np.array(tables, dtype=np.int64), [len(b.ids) for b in group])
-        order = np.lexsort((ids, tags))
-        ids_sorted, tags_sorted = ids[order], tags[order]
-        first = np.empty(len(ids), dtype=bool)
-        first[:1] = True
-        np.not_equal(ids_sorted[1:], ids_sorted[:-1], out=first[1:])
-        first[1:] |= tags_sorted[1:] != tags_sorted[:-1]
+        order, first = _sorted_pairs(ids, tags)
         inverse = np.empty(len(ids), dtype=np.int64)
         inverse[order] = np.cumsum(first) - 1
-        unique_ids, unique_tags = ids_sorted[first], tags_sorted[first]
+        unique_ids, unique_tags = ids[order][first], tags[order][first]
         summed = torch.zeros((len(unique_ids), dim), dtype=torch.float32)
         summed.index_add_(0, torch.from_numpy(inverse), torch.from_numpy(np.concatenate([b.values for b in group])))  # type: ignore[misc]
         if divide_by > 1:
@@ -107,3 +102,28 @@ def combine(blocks: Sequence[RowBlock], divide_by: int) -> list[RowBlock]:
             out.append(RowBlock(table, unique_ids[lo:hi], values[lo:hi], lo))
     out.sort(key=lambda b: b.table)
     return out
+
+
+def _sorted_pairs(ids: np.ndarray, tags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The order that sorts the (table, ID) pairs, and which sorted pairs come first among their equals.
+
+    Where every ID is in 0..M, (table rank, ID) is one int64 key, rank * (M + 1) + ID, and a round's keys are runs
+    already sorted (a worker's blocks come in table order, each block's IDs ascending), which a stable sort merges
+    in linear time; otherwise a lexsort of the two."""
+    ranks = np.unique(tags)
+    span = int(ids.max()) + 1 if len(ids) else 1
+    if len(ids) and int(ids.min()) >= 0 and len(ranks) * span < 1 << 62:
+        keys = np.searchsorted(ranks, tags) * span + ids
+        order = np.argsort(keys, kind="stable")
+        keys = keys[order]
+        first = np.empty(len(keys), dtype=bool)
+        first[:1] = True
+        np.not_equal(keys[1:], keys[:-1], out=first[1:])
+        return order, first
+    order = np.lexsort((ids, tags))
+    ids_sorted, tags_sorted = ids[order], tags[order]
+    first = np.empty(len(ids), dtype=bool)
+    first[:1] = True
+    np.not_equal(ids_sorted[1:], ids_sorted[:-1], out=first[1:])
+    first[1:] |= tags_sorted[1:] != tags_sorted[:-1]
+    return order, first

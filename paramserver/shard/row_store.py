@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from paramserver.shard.id_hash import IdHash
+from paramserver.shard.id_hash import DirectIndex, IdHash
 from paramserver.shard.row_optimizers import row_optimizer
 from paramserver.shard.table_state import checked_state
 from paramserver.tables import Initialiser, TableSpec, as_ids
@@ -46,7 +46,9 @@ class RowGroup:
     the learning rate, validates and de-duplicates (tag, ID) pairs, and serialises calls: a group has no lock.
     """
 
-    def __init__(self, specs: Sequence[TableSpec], optimizer: str, lr: float, seed_rng: int = 0) -> None:
+    def __init__(
+        self, specs: Sequence[TableSpec], optimizer: str, lr: float, seed_rng: int = 0, direct: bool = False
+    ) -> None:
         self.specs = tuple(specs)
         if not self.specs or len({s.dim for s in self.specs}) != 1:
             raise ValueError("a row group holds one or more tables of one dim")
@@ -59,7 +61,12 @@ class RowGroup:
         self.initialisers = [Initialiser(s) for s in self.specs]  # each caches the codebooks its rows read
         # One admission RNG per table, drawn in its own IDs' order: a table admits the same rows in a group as alone.
         self._rngs = [np.random.default_rng(np.random.SeedSequence([s.seed, seed_rng])) for s in self.specs]
-        self._index = IdHash(np.int32, self.tagged)
+        # Bounded tables may index their rows directly (`direct`: the caller weighs its memory), else by hashing.
+        if direct and not all(s.bounded for s in self.specs):
+            raise ValueError("a direct index is for bounded tables only")
+        self._index: IdHash | DirectIndex = (
+            DirectIndex([s.num_embeddings for s in self.specs]) if direct else IdHash(np.int32, self.tagged)
+        )
         self._counts = IdHash(np.int64, self.tagged)  # IDs without a row -> how many updates they were in
         # Each table's policy, indexed by tag (0 means never / always, as in TableSpec).
         self._admit_after = np.array([s.admit_after for s in self.specs], dtype=np.int64)
@@ -444,9 +451,10 @@ class RowGroup:
         lr: float,
         states: Sequence[dict[str, np.ndarray]],
         seed_rng: int = 0,
+        direct: bool = False,
     ) -> RowGroup:
         """A group holding exactly what each table's `state()` returned; ValueError when the arrays do not fit."""
-        group = cls(specs, optimizer, lr, seed_rng)
+        group = cls(specs, optimizer, lr, seed_rng, direct)
         if len(states) != len(group.specs):
             raise ValueError(f"{len(states)} table states for a group of {len(group.specs)} tables")
         for tag, (spec, state) in enumerate(zip(group.specs, states, strict=True)):

@@ -20,6 +20,7 @@ import numpy as np
 from paramserver.config import ServerConfig
 from paramserver.errors import InvalidArgument, MalformedStream, TooLarge
 from paramserver.shard.row_blocks import RowBlock, combine, joined, planned
+from paramserver.shard.row_optimizers import row_optimizer
 from paramserver.shard.row_store import RowGroup
 from paramserver.tables import TableSpec, shard_of
 from paramserver.v1 import ps_pb2
@@ -82,6 +83,22 @@ def _take(target: np.ndarray, data: bytes, what: str, table: int) -> None:
 # row_bytes + this; the slabs they live in are allocated in steps of 1.25x, so allocated memory
 # (paramserver_table_allocated_bytes) may run up to that much above what the cap counts.
 ROW_OVERHEAD_BYTES = 64
+
+
+# A group of bounded tables indexes its rows directly, one int32 per possible ID (paramserver.shard.id_hash.
+# DirectIndex: a lookup is one `take`, not a hash probe), where that index costs at most DIRECT_INDEX_BYTES or a
+# quarter of what the group's rows would take if this shard held every row it may hold.
+DIRECT_INDEX_BYTES = 16 << 20
+
+
+def direct_index(specs: Sequence[TableSpec], optimizer: str, num_shards: int) -> bool:
+    """Whether a group of these tables (one dim, this row optimizer) on one of `num_shards` shards indexes its rows
+    directly."""
+    if not all(s.bounded for s in specs):
+        return False
+    ids = sum(s.num_embeddings for s in specs)
+    row_bytes = 4 * (specs[0].dim + row_optimizer(optimizer).state_cols(specs[0].dim))
+    return 4 * ids <= max(DIRECT_INDEX_BYTES, ids * row_bytes / (4 * num_shards))
 
 
 @dataclass(frozen=True)
@@ -165,10 +182,16 @@ class ShardTables:
             self._group_of[members] = g
             self._tag_of[members] = np.arange(len(members))
         self._bounds = np.array([s.num_embeddings for s in self.specs], dtype=np.int64)
+        self._direct = [direct_index([self.specs[k] for k in m], opt, num_shards) for (_, opt, _), m in self._groups()]
         self.groups = [
-            RowGroup([self.specs[k] for k in m], opt, lr) for (_, opt, lr), m in zip(kinds, self._members, strict=True)
+            RowGroup([self.specs[k] for k in m], opt, lr, direct=d)
+            for ((_, opt, lr), m), d in zip(self._groups(), self._direct, strict=True)
         ]
         self._warned_full = False
+
+    def _groups(self) -> list[tuple[tuple[int, str, float], list[int]]]:
+        """Each group's kind (dim, row optimizer, rate) and tables."""
+        return list(zip(self._kinds, self._members, strict=True))
 
     def __len__(self) -> int:
         return len(self.specs)
@@ -393,8 +416,8 @@ class ShardTables:
             state["times"] = np.asarray(state["times"], dtype=np.float64) - shift
             moved.append(state)
         self.groups = [
-            RowGroup.from_states([self.specs[k] for k in m], opt, lr, [moved[k] for k in m])
-            for (_, opt, lr), m in zip(self._kinds, self._members, strict=True)
+            RowGroup.from_states([self.specs[k] for k in m], opt, lr, [moved[k] for k in m], direct=d)
+            for ((_, opt, lr), m), d in zip(self._groups(), self._direct, strict=True)
         ]
 
     def state_bytes(self) -> bytes:
