@@ -149,6 +149,24 @@ def log(message: str) -> None:
 # -- processes (parent side) ------------------------------------------------------------------------------------
 
 
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """CPU seconds the live threads of these processes have run so far, from the scheduler's nanosecond counts
+    (/proc/PID/task/TID/schedstat; /proc/PID/stat counts in 10 ms ticks, too coarse for a round of steps). A thread
+    that has ended is not counted: measure processes whose threads live across the window."""
+    total = 0
+    for pid in pids:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total / 1e9
+
+
 def child_env() -> dict[str, str]:
     """The environment of every child: the repository importable, one torch thread unless told otherwise."""
     env = dict(os.environ)
@@ -387,6 +405,14 @@ class Plan:
     sparse_workers: int  # concurrent workers against one shard in the throughput case
     sparse_seconds: float  # length of one throughput window
     sparse_rows: tuple[int, int]  # rows of the small and the large RowTable in the memory case
+    many_big: tuple[int, ...]  # sizes of the many-table model's four large fields
+    many_batch: int  # samples a worker's step (and the local step)
+    many_batches: int  # pre-drawn batches each process cycles through (its warm-up is one pass)
+    many_rounds: int
+    many_steps: int  # steps per side per round
+    many_workers: tuple[int, ...]  # the scaling cases' workers (x many_shards)
+    many_shards: tuple[int, ...]
+    many_tables: tuple[int, ...]  # the scaling cases' table counts (2 workers x 2 shards)
 
     @classmethod
     def full(cls, repeats: int = 5, train_repeats: int = 3) -> Plan:
@@ -428,6 +454,14 @@ class Plan:
             sparse_workers=4,
             sparse_seconds=2.0,
             sparse_rows=(100_000, 10_000_000),
+            many_big=(10_000_000, 4_000_000, 2_000_000, 1_000_000),
+            many_batch=2048,
+            many_batches=8,
+            many_rounds=2 * repeats,
+            many_steps=8,
+            many_workers=(1, 2, 4),
+            many_shards=(1, 2),
+            many_tables=(1, 26, 52, 100),
         )
 
     @classmethod
@@ -467,6 +501,14 @@ class Plan:
             sparse_workers=4,
             sparse_seconds=0.5,
             sparse_rows=(10_000, 1_000_000),
+            many_big=(100_000, 50_000, 20_000, 10_000),
+            many_batch=256,
+            many_batches=2,
+            many_rounds=repeats,
+            many_steps=2,
+            many_workers=(2,),
+            many_shards=(2,),
+            many_tables=(1, 52),
         )
 
     def to_json(self) -> dict[str, Any]:

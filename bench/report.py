@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from bench import report_sparse
+
 Doc = dict[str, Any]
 
 
@@ -91,7 +93,8 @@ def markdown(doc: Doc) -> str:
         "(shared 2-core machines vary by up to 2x between passes). MB and GB are decimal (10^6, 10^9 bytes).",
         "",
     ]
-    lines += _transport(ix, doc) + _baselines(ix) + _training(ix) + _memory(ix) + _sparse(ix)
+    lines += _transport(ix, doc) + _baselines(ix) + _training(ix) + _memory(ix) + report_sparse.sparse(ix)
+    lines += report_sparse.sparse_many(ix)
     lines += _replication(ix) + _link(ix) + _stream(ix)
     errors = {k: v["error"] for k, v in doc.get("sections", {}).items() if not v.get("ok")}
     if errors:
@@ -334,157 +337,12 @@ def _memory(ix: _Index) -> list[str]:
     ]
 
 
-_SPARSE_PATHS = {"shm": "shared memory", "socket": "data socket", "grpc": "gRPC"}
-
-
 def _target(value: Any, limit: float | None) -> str:
     """A target and whether this run met it: "≤ 1.0x: met"; empty for no target."""
     if limit is None:
         return ""
     verdict = "" if not _ok(value) else (": met" if value <= limit else ": not met")
     return f"≤ {limit}x{verdict}"
-
-
-def _sparse(ix: _Index) -> list[str]:
-    figs = ix.section("sparse")
-    if not figs:
-        return []
-    order = list(_SPARSE_PATHS)
-    lines = [
-        "## Sparse tables: a step on 4,096 Zipf IDs against the same step in plain torch",
-        "",
-        'A worker process (1 torch thread) trains one `SparseEmbedding(dim, num_embeddings=1M, optimizer="adagrad")` '
-        "and a one-element dense parameter: forward (torch.unique of the batch; its rows came with the previous "
-        "push_pull, as the table was told to prefetch them), loss = sum, backward, `push_pull` (the touched rows' "
-        "summed gradients, the dense gradient and the next batch's rows, one exchange per shard); sync mode, 1 "
-        "worker. Local: `nn.Embedding(1M, dim, sparse=True)` + `torch.optim.Adagrad`, the same batches (Zipf(1.1) "
-        "mod 1M, about 2,400 unique IDs of 4,096), 1 torch thread, in a process of its own. "
-        "Both after one warm-up pass over the batches (so every row exists on the shards); rounds of local and PS "
-        "steps in turn, and ÷ local is the median of each round's ratio of medians. 1 shard is the per-shard "
-        "figure, 2 shards end to end.",
-        "",
-    ]
-    steps = [f for f in figs if f["id"].startswith("sparse.step.")]
-    if steps:
-        rows = []
-        for f in sorted(
-            steps,
-            key=lambda f: (
-                f["params"]["dim"],
-                f["params"]["shards"],
-                order.index(f["params"]["wire"]) if f["params"]["wire"] in order else len(order),
-            ),
-        ):
-            p, e = f["params"], f.get("extra", {})
-            raw = ix.get(f["id"].replace("sparse.step.", "sparse.ms.", 1))
-            rows.append(
-                [
-                    str(p["dim"]),
-                    f"{p['shards']} ({p.get('scope', '')})",
-                    _SPARSE_PATHS.get(p["wire"], p["wire"]),
-                    fmt(e.get("local_ms")),
-                    fmt(raw["median"] if raw else None),
-                    fmt(e.get("forward_ms")),
-                    fmt(e.get("backward_ms")),
-                    fmt(e.get("push_pull_ms")),
-                    fmt(f["median"], "x"),
-                    _target(f["median"], p.get("target")),
-                ]
-            )
-        header = [
-            "dim",
-            "shards",
-            "path",
-            "local step ms",
-            "PS step ms",
-            "forward (lookup) ms",
-            "backward ms",
-            "push_pull ms",
-            "÷ local step",
-            "target",
-        ]
-        lines += [*_table(header, rows), ""]
-    tput = [f for f in figs if f["id"].startswith("sparse.ids.")]
-    if tput:
-        rows = []
-        for f in tput:
-            p = f["params"]
-            ratio = ix.get(f["id"].replace("sparse.ids.", "sparse.throughput.", 1))
-            rows.append(
-                [
-                    _SPARSE_PATHS.get(p["wire"], p["wire"]),
-                    str(p["shards"]),
-                    str(p["workers"]),
-                    str(p["dim"]),
-                    fmt(f["median"]),
-                    fmt(ix.median(p["baseline"])),
-                    fmt(ratio["median"] if ratio else None, "x"),
-                ]
-            )
-        header = ["path", "shards", "workers", "dim", "M IDs/s", "local step M IDs/s (1 thread)", "÷ local"]
-        lines += [
-            f"Throughput: {tput[0]['params']['workers']} worker processes step as fast as they can against one shard "
-            f"(async mode) for windows of {fmt(tput[0]['params']['seconds'])} s, local rounds in between; IDs/s "
-            "counts every worker's 4,096 IDs a step over the window. All these processes share the machine's "
-            "cores, which the local rate has to itself.",
-            "",
-            *_table(header, rows),
-            "",
-        ]
-    held = [f for f in figs if f["id"].startswith("sparse.bytes.")]
-    if held:
-        rows = []
-        for f in sorted(held, key=lambda f: f["params"]["rows"]):
-            p, e = f["params"], f.get("extra", {})
-            label = f["id"].split(".")[2]
-            rss = ix.get(f"sparse.rss.{label}.d{p['dim']}")
-            batch = ix.get(f"sparse.batch.{label}.d{p['dim']}")
-            scale = ix.get(f"sparse.scale.{label}.d{p['dim']}")
-            rows.append(
-                [
-                    f"{p['rows']:,}",
-                    str(p["dim"]),
-                    fmt(e["value_state_bytes"] / 1e6),
-                    fmt(e["nbytes"] / 1e6),
-                    fmt(f["median"], "x"),
-                    _target(f["median"], p.get("target")),
-                    fmt(rss["median"] if rss else None, "x"),
-                    fmt(e["slots"] / p["rows"], "x"),
-                    fmt(e["huge_pages_bytes"] / 1e6) if "huge_pages_bytes" in e else "—",
-                    fmt(batch["median"] if batch else None),
-                    fmt(scale["median"], "x") if scale else "",
-                    _target(scale["median"], scale["params"].get("target")) if scale else "",
-                ]
-            )
-        header = [
-            "rows",
-            "dim",
-            "value + state MB",
-            "held MB",
-            "held ÷ (value + state)",
-            "target",
-            "RSS growth ÷ (value + state)",
-            "slab slots ÷ rows",
-            "process on huge pages MB",
-            "ms per batch",
-            "÷ smaller table",
-            "target",
-        ]
-        note = next((f["params"]["dim_note"] for f in held if f["params"].get("dim_note")), "")
-        lines += [
-            "Row table (paramserver.shard.row_store.RowTable, Adagrad), one process, no servers: held = its nbytes "
-            "(value and state slabs, hash index, per-slot arrays); RSS growth after malloc_trim (glibc keeps the "
-            "heap freed temporaries held, a fixed amount, not a cost per row). Filled 4,096 new IDs an apply, in a "
-            "random order; the slabs grow by 1.25x, so slots ÷ rows lies anywhere in 1.0-1.25x. ms per batch: lookup "
-            "+ apply of the unique IDs of 4,096 Zipf IDs over the held rows, both tables in turn. Huge pages: the "
-            "process's anonymous memory on transparent huge pages once that table was filled (numpy asks for them "
-            "for the slabs; where the kernel has none to give, a large table's scattered rows miss the TLB more)."
-            + (f" {note}." if note else ""),
-            "",
-            *_table(header, rows),
-            "",
-        ]
-    return lines
 
 
 _REPLICATION_PATHS = {"shm": "shared memory", "socket": "data socket"}
@@ -870,11 +728,20 @@ def summary(doc: Doc) -> str:
             if ix.get(fid) is not None:
                 v = ix.median(fid)
                 what = f"sparse step, 4,096 Zipf IDs, dim 64, {scope}, {name}, ÷ local nn.Embedding(sparse) step"
-                row(what, v, "x", "≤ 1.0x", check(v, 1.0))
+                row(what, v, "x", "≤ 1.2x", check(v, 1.2))
+            fid = f"sparse.cpu.{wire}.s{shards}.d64"
+            if ix.get(fid) is not None:
+                v = ix.median(fid)
+                what = f"sparse step's CPU (worker + shards), dim 64, {scope}, {name}, ÷ the local process's"
+                row(what, v, "x", "≤ 1.3x", check(v, 1.3))
+    main = ix.get("sparse_many.cpu.t52.w2.s2")
+    if main is not None:
+        what = "52-table model, 2 workers x 2 shards, sync: CPU per sample ÷ local torch's"
+        row(what, main["median"], "x", "≤ 1.3x", check(main["median"], 1.3))
     for f in ix.section("sparse"):
         p = f["params"]
         if f["id"].startswith("sparse.throughput."):
-            what = f"sparse IDs/s, 1 shard, {p['workers']} workers, {_SPARSE_PATHS.get(p['wire'], p['wire'])}"
+            what = f"sparse IDs/s, 1 shard, {p['workers']} workers, {report_sparse.PATHS.get(p['wire'], p['wire'])}"
             row(f"{what}, ÷ the local step's (1 thread)", f["median"], "x", "", None)
     held = [f for f in ix.section("sparse") if f["id"].startswith("sparse.bytes.")]
     if held:
@@ -908,7 +775,7 @@ def update_readme(doc: Doc, readme: Path) -> bool:
 
 
 def plot(doc: Doc, path: Path) -> bool:
-    """Draw latest.png (four panels); return False when matplotlib is not installed."""
+    """Draw latest.png (six panels); return False when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -917,11 +784,13 @@ def plot(doc: Doc, path: Path) -> bool:
     except ImportError:
         return False
     ix = _Index(doc)
-    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    fig, axes = plt.subplots(3, 2, figsize=(14, 13))
     _plot_round_trips(axes[0][0], ix, doc)
     _plot_throughput(axes[0][1], ix, doc)
     _plot_training(axes[1][0], ix)
     _plot_memory(axes[1][1], ix)
+    report_sparse.plot_scaling(axes[2][0], ix, "workers")
+    report_sparse.plot_scaling(axes[2][1], ix, "tables")
     fig.suptitle(f"paramserver benchmarks, {doc['started']}, {doc['machine'].get('cores')} cores")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,9 @@
 Sections: transport (push/pull against shard processes), baselines (raw TCP, gloo all_reduce, a
 torch.distributed.rpc parameter server), training (samples/s against local training, time to 0.95 accuracy),
 memory (peak RSS of the shards), sparse (a training step on 4,096 Zipf IDs of a sparse embedding table against
-the same step in plain torch; IDs/s of one shard under 4 workers; a row table's memory and time against its size),
+the same step in plain torch, its time and the CPU of every process; IDs/s of one shard under 4 workers; a row
+table's memory and time against its size), sparse_many (a 52-table DeepFM-shaped model, 2 workers x 2 shards,
+against plain torch: CPU per sample and step time; then workers x shards and 1 to 100 tables),
 replication (--replicas 2: the push + pull against one copy, failover and catch-up times, with a real etcd),
 link (training over a bandwidth-limited link between network namespaces, with and
 without ps-worker --overlap; needs root, else skipped), stream (CNN steps fed from shards over HTTP through a
@@ -35,7 +37,18 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python bench/run.py` puts bench/, not the repository, on sys.path
     sys.path.insert(0, str(ROOT))
 
-from bench import baselines, link, memory, replication, report, sparse, stream, training, transport  # noqa: E402
+from bench import (  # noqa: E402
+    baselines,
+    link,
+    memory,
+    replication,
+    report,
+    sparse,
+    sparse_many,
+    stream,
+    training,
+    transport,
+)
 from bench.common import Figure, Plan, Processes, log, machine_facts, write_atomic  # noqa: E402
 
 SECTIONS = {
@@ -44,6 +57,7 @@ SECTIONS = {
     "training": training.run,
     "memory": memory.run,
     "sparse": sparse.run,
+    "sparse_many": sparse_many.run,
     "replication": replication.run,
     "link": link.run,
     "stream": stream.run,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("transport", "baselines", "training", "memory", "sparse", "replication", "link")
+SECTIONS = ("transport", "baselines", "training", "memory", "sparse", "sparse_many", "replication", "link")
 SMOKE = SECTIONS[:-1]  # every section that runs on any machine
 LIMIT_S = 1200  # pytest-timeout's limit for the run: for a machine many times slower than usual, never a verdict
 pytestmark = pytest.mark.timeout(LIMIT_S)  # whichever test runs the module's quick run first
@@ -107,6 +107,12 @@ def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.Co
     assert "sparse.local.rate.d64" in by_id["sparse.ids.shm.s1.w4.d64"]["ratios"]
     for prefix in ("sparse.throughput.", "sparse.bytes.", "sparse.rss.", "sparse.scale."):
         assert any(i.startswith(prefix) for i in ids), prefix
+    # The CPU of the worker and its shards per step against the local process's; the many-table model's cases.
+    for path in ("shm", "socket", "grpc"):
+        cpu = by_id.get(f"sparse.cpu.{path}.s2.d64")
+        assert cpu is not None and all(r > 0 for r in cpu["repeats"]), path
+    for what in ("cpu", "step", "rate"):
+        assert any(i.startswith(f"sparse_many.{what}.t52.w2.s2") for i in ids), what
     # Replication: --replicas 2 against 1 in the same run, a failover and the restarted copy's catch-up timed.
     replicated = [f for i, f in by_id.items() if i.startswith("replication.rt.") and i.endswith(".r2")]
     assert replicated, "no replication cost figure"
@@ -119,7 +125,15 @@ def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.Co
 
     text = (out / "latest.md").read_text()
     assert text.startswith("# paramserver benchmarks")
-    for heading in ("## Transport", "## Baselines", "## Training", "## Memory", "## Sparse tables", "## Replication"):
+    for heading in (
+        "## Transport",
+        "## Baselines",
+        "## Training",
+        "## Memory",
+        "## Sparse tables",
+        "## Many tables",
+        "## Replication",
+    ):
         assert heading in text
     assert "| payload |" in text
     assert "# paramserver benchmarks" in result.stdout  # the table is printed at the end too
@@ -138,6 +152,7 @@ def test_baselines_bracket_the_transport_cases() -> None:
         "training",
         "memory",
         "sparse",
+        "sparse_many",
         "replication",
         "link",
     ]
