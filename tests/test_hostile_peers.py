@@ -255,6 +255,25 @@ def test_each_socket_takes_only_its_own_kind_of_attachment(raw: Raw) -> None:
         assert (status, kind) == (FP, "NotAttached") and "not shared memory" in message
 
 
+def test_a_data_socket_ticket_relabelled_as_a_segment_is_refused_at_the_doorbell_and_kept(raw: Raw) -> None:
+    """A raw-socket fuzzer's find: the ticket's nonce in a shared-memory hello with an empty name (a ticket's name)
+    was taken at the doorbell, which then served the full weights, and the ticket was spent. Each kind's proof
+    counts only as its own kind (SPEC.md section 10)."""
+    ticket = _ticket(raw)
+    _attach(raw, ticket)
+    relabelled = ps_pb2.AttachRequest()
+    relabelled.CopyFrom(ticket)
+    relabelled.shared_memory.SetInParent()  # the oneof: now a segment hello, name "", the ticket's nonce
+    bell = Bell(raw.attach(raw.segment(), OTHER).doorbell)
+    try:
+        status, kind, _ = _error(bell.call(relabelled))
+        assert (status, kind) == (FP, "NotAttached")
+    finally:
+        bell.close()
+    with _session(raw, ticket) as served:  # the ticket still proves its own connection, once
+        assert _ok(served.call(raw_request(raw, pull=True))).pulled.version == 0
+
+
 def test_an_evicted_worker_loses_its_doorbell_connection(raw: Raw) -> None:
     seg = raw.segment()
     bell = Bell(raw.attach(seg).doorbell)

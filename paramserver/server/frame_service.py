@@ -24,7 +24,8 @@ class FrameService:
     def verify(self, hello: ps_pb2.AttachRequest, close: Callable[[], None]) -> None:
         """Accept a connection that presents its worker's attachment, once (NotAttached otherwise); `close` ends
         it when the attachment ends."""
-        self.shard.attachments.verify(hello.worker_id, hello.shared_memory.name, hello.nonce, close)
+        kind = str(hello.WhichOneof("kind"))
+        self.shard.attachments.verify(hello.worker_id, kind, hello.shared_memory.name, hello.nonce, close)
 
     def payload_limit(self) -> int:
         """The most payload bytes a data-socket frame may carry: the shard's part of the model in float32, and

@@ -75,14 +75,22 @@ class Attachments:
             self._by_worker[worker_id] = attachment
             self._end_connection(worker_id)
 
-    def verify(self, worker_id: str, name: str, nonce: bytes, close: Callable[[], None]) -> None:
-        """Raise NotAttached unless the live worker's attachment is this segment or ticket and has not proven a
-        connection yet (a connection's proof on the doorbell or data socket); `close` ends the connection once
-        the attachment does."""
+    def verify(self, worker_id: str, kind: str, name: str, nonce: bytes, close: Callable[[], None]) -> None:
+        """Raise NotAttached unless the live worker's attachment is of this kind ("shared_memory": a segment,
+        "data_socket": a ticket), is this segment or ticket, and has not proven a connection yet (a connection's
+        proof on the doorbell or data socket); `close` ends the connection once the attachment does."""
         with self._lock:
             self._shard.membership.get(worker_id)
             attached = self._by_worker.get(worker_id)
-            if attached is None or attached.name != name or not hmac.compare_digest(attached.nonce, nonce):
+            # The kind first: a ticket's name is "", so a segment hello named "" with a ticket's nonce would
+            # otherwise pass as that ticket.
+            of_kind = isinstance(attached, shm.Segment if kind == "shared_memory" else Ticket)
+            if (
+                attached is None
+                or not of_kind
+                or attached.name != name
+                or not hmac.compare_digest(attached.nonce, nonce)
+            ):
                 raise NotAttached(f"worker {worker_id} has no such attachment on shard {self._shard.index}")
             if worker_id in self._connection:
                 raise NotAttached(
