@@ -14,6 +14,7 @@ from torch import nn
 from paramserver.config import ServerConfig
 from paramserver.tables import initial_rows, shard_of
 from worker import PSClient, SparseEmbedding
+from worker.sparse import UniqueCache
 
 N, DIM, BAG_N = 64, 8, 40
 
@@ -363,3 +364,17 @@ def test_lazy_adam_rows_equal_torch_sparse_adam_even_where_a_step_brings_a_shard
             rows.step()
         with torch.no_grad():
             torch.testing.assert_close(model.item(torch.arange(16)), emb.weight, atol=1e-6, rtol=1e-5)
+
+
+def test_tables_prefetching_the_same_ids_share_their_unique_ids_until_the_ids_change() -> None:
+    cache = UniqueCache()
+    buffer = np.array([[5, 3], [5, 9]], dtype=np.int64)
+    ids = torch.from_numpy(buffer)
+    first = cache.of(ids[:, 0])
+    assert cache.of(ids[:, 0]) is first  # another view of the same IDs: computed once
+    np.testing.assert_array_equal(first[2], [5])
+    buffer[1, 0] = 7  # written through numpy: torch's version counter does not see it, the kept copy does
+    again = cache.of(ids[:, 0])
+    assert again is not first
+    np.testing.assert_array_equal(again[2], [5, 7])
+    np.testing.assert_array_equal(again[1][again[3]].numpy(), [5, 7])

@@ -20,6 +20,7 @@ touched row's gradient to its shard with the dense gradients, in the same exchan
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Protocol
 
 import numpy as np
@@ -36,18 +37,51 @@ MODES = (None, "sum", "mean")
 NARROW = 32
 
 
+Prepared = tuple[torch.Tensor, torch.Tensor, np.ndarray, torch.Tensor]  # (a copy of IDs, unique, as numpy, inverse)
+
+
+class UniqueCache:
+    """The unique IDs of the last few ID tensors the tables of one model prefetched, so that tables given the same IDs
+    (a DeepFM's two tables per field) compute them once. An entry counts only while its IDs still equal a copy kept
+    of them: the same memory written in place since (through numpy, say, which torch's version counter does not
+    see) is computed again."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._size = size
+        self._entries: OrderedDict[tuple[object, ...], Prepared] = OrderedDict()
+
+    def of(self, ids: torch.Tensor) -> Prepared:
+        """(a copy of `ids`, their unique IDs, those as int64 numpy on the CPU, each ID's position among them)."""
+        key = (ids.data_ptr(), tuple(ids.shape), tuple(ids.stride()), ids.dtype, ids.device)
+        hit = self._entries.get(key)
+        if hit is not None and torch.equal(hit[0], ids):
+            self._entries.move_to_end(key)
+            return hit
+        entry = _prepare(ids)
+        self._entries[key] = entry
+        if len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+        return entry
+
+
+def _prepare(ids: torch.Tensor) -> Prepared:
+    unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+    return ids.clone(), unique, unique.to("cpu", torch.int64).numpy(), inverse
+
+
 class _StepState:
     """A table's state between steps: where it reads rows, what it touched, what it prefetched."""
 
-    def __init__(self, source: RowSource | None = None) -> None:
+    def __init__(self, source: RowSource | None = None, uniques: UniqueCache | None = None) -> None:
         self.source = source
+        self.uniques = uniques
         # (unique IDs, their rows as a leaf tensor) of each forward pass since the last push
         self.touched: list[tuple[np.ndarray, torch.Tensor]] = []
         self.planned: np.ndarray | None = None  # unique IDs the next push_pull looks up (prefetch)
         self.ready: tuple[np.ndarray, np.ndarray] | None = None  # (unique IDs, rows) the last push_pull fetched
         # (a copy of the IDs prefetch was given, their unique IDs, as numpy, the inverse): the forward pass on those
         # IDs needs no torch.unique of its own
-        self.prepared: tuple[torch.Tensor, torch.Tensor, np.ndarray, torch.Tensor] | None = None
+        self.prepared: Prepared | None = None
 
 
 class RowSource(Protocol):
@@ -132,9 +166,10 @@ class SparseEmbedding(nn.Module):
         pooled = f", mode={self.mode!r}" if self.mode else ""
         return f"dim={self.dim}{bound}{pooled}"
 
-    def attach(self, source: RowSource | None) -> None:
-        """Read rows from `source` from now on (PSClient.register calls this); None detaches."""
-        self._step = _StepState(source)
+    def attach(self, source: RowSource | None, uniques: UniqueCache | None = None) -> None:
+        """Read rows from `source` from now on (PSClient.register calls this; `uniques`: shared by the model's
+        tables); None detaches."""
+        self._step = _StepState(source, uniques)
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Say which IDs the next forward pass will look up: the next `client.push_pull(model)` then fetches their
@@ -142,9 +177,9 @@ class SparseEmbedding(nn.Module):
         pass uses them instead of asking the shards again: one round trip per step instead of two. A forward pass
         with other IDs looks them up as usual."""
         st = self._step
-        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-        st.planned = unique.to("cpu", torch.int64).numpy()
-        st.prepared = (ids.clone(), unique, st.planned, inverse)  # a copy: the caller may reuse its tensor
+        # A copy of the IDs is kept with them: the caller may reuse its tensor before the forward pass.
+        st.prepared = st.uniques.of(ids) if st.uniques is not None else _prepare(ids)
+        st.planned = st.prepared[2]
         st.ready = None
 
     def take_planned(self) -> np.ndarray | None:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from paramserver.placement import Placement
-from worker.sparse import SparseEmbedding
+from worker.sparse import SparseEmbedding, UniqueCache
 
 
 class TensorDict(dict[str, torch.Tensor]):
@@ -44,6 +44,7 @@ class Binding:
     # table -> (the unique IDs its last push prefetched, their positions per shard): the next push's row gradients
     # are for those same IDs (worker.client.rows)
     placed: dict[int, tuple[np.ndarray, list[np.ndarray | None]]] = field(default_factory=dict)
+    uniques: UniqueCache = field(default_factory=UniqueCache)  # the tables' prefetched IDs, computed once
 
     def __post_init__(self) -> None:
         self.buffer = [s.buffer for s in self.placement.specs]

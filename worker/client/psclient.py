@@ -386,7 +386,7 @@ class PSClient:
         self._each(lambda link: link.init(b))
         self._session.registered = b
         for index, module in enumerate(b.tables):
-            module.attach(_Rows(self, b, index))
+            module.attach(_Rows(self, b, index), b.uniques)
         return self.pull(obj)
 
     def lookup(self, obj: Tensors, table: int, ids: np.ndarray) -> np.ndarray:

@@ -43,6 +43,7 @@ def row_jobs(b: Binding, num_shards: int) -> tuple[list[SparseJob | None] | None
     fetched: list[tuple[SparseEmbedding, np.ndarray, np.ndarray, list[tuple[np.ndarray, TableRows]]]] = []
     placed = b.placed
     b.placed = {}
+    splits: dict[int, list[np.ndarray | None]] = {}
     for index, module in enumerate(b.tables):
         taken = module.take_gradients()
         if taken is not None:
@@ -59,7 +60,9 @@ def row_jobs(b: Binding, num_shards: int) -> tuple[list[SparseJob | None] | None
             found = True
             out = np.empty((len(planned), module.dim), dtype=np.float32)
             parts = []
-            split = by_shard(planned, num_shards)
+            # Tables prefetching the same IDs share one array of them (worker.sparse.UniqueCache): one split.
+            split = splits.get(id(planned)) or by_shard(planned, num_shards)
+            splits[id(planned)] = split
             b.placed[index] = (planned, split)
             for k, where in enumerate(split):
                 if where is not None:
