@@ -11,7 +11,7 @@ MODEL ?= cnn
 DATA ?= memory
 DEMO_ARGS ?=
 
-.PHONY: install demo test lint proto clean bench bench-smoke stress deploy-check image image-test netns-test netns-clean monitoring-test js-test
+.PHONY: install demo test lint proto clean bench bench-peers bench-smoke stress deploy-check image image-test netns-test netns-clean monitoring-test js-test
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,13 @@ proto: $(STAMP)
 ## bench-smoke: the benchmark suite's quick run (about a minute) checked by tests/test_bench_smoke.py
 bench-smoke: $(STAMP)
 	PS_BENCH_SMOKE=1 $(PY) -m pytest tests/test_bench_smoke.py -q
+
+## bench-peers: TorchRec 1.8.0 and FBGEMM 1.8.0 (CPU) for make bench's sparse_peer section (skipped without them).
+## A target, not an extra: pip cannot leave out an extra's dependencies, and theirs would pull another torch; these
+## are the versions that load with torch 2.13.0 (1.7 and 1.9 fail with undefined symbols), with what torchrec imports.
+bench-peers: $(STAMP)
+	$(PY) -m pip install -q --no-deps fbgemm-gpu-cpu==1.8.0 torchrec==1.8.0 tensordict==0.15.3
+	$(PY) -m pip install -q cloudpickle pyvers pyre-extensions typing-inspect mypy-extensions iopath
 
 ## bench: the benchmark suite against its baselines, in one run -> bench/results/latest.{json,md,png}
 bench: $(STAMP)

@@ -94,7 +94,7 @@ def markdown(doc: Doc) -> str:
         "",
     ]
     lines += _transport(ix, doc) + _baselines(ix) + _training(ix) + _memory(ix) + report_sparse.sparse(ix)
-    lines += report_sparse.sparse_many(ix)
+    lines += report_sparse.sparse_many(ix) + report_sparse.sparse_peer(ix)
     lines += _replication(ix) + _link(ix) + _stream(ix)
     errors = {k: v["error"] for k, v in doc.get("sections", {}).items() if not v.get("ok")}
     if errors:
@@ -734,6 +734,10 @@ def summary(doc: Doc) -> str:
                 v = ix.median(fid)
                 what = f"sparse step's CPU (worker + shards), dim 64, {scope}, {name}, ÷ the local process's"
                 row(what, v, "x", "≤ 1.3x", check(v, 1.3))
+    peer = ix.get("sparse_peer.ours.d64")
+    if peer is not None:
+        what = "sparse step, dim 64, 2 shards, shared memory, ÷ TorchRec DMP's step (2 CPU ranks)"
+        row(what, peer["median"], "x", "≤ 0.33x", check(peer["median"], 1 / 3))
     main = ix.get("sparse_many.cpu.t52.w2.s2")
     if main is not None:
         what = "52-table model, 2 workers x 2 shards, sync: CPU per sample ÷ local torch's"

@@ -9,7 +9,9 @@ torch.distributed.rpc parameter server), training (samples/s against local train
 memory (peak RSS of the shards), sparse (a training step on 4,096 Zipf IDs of a sparse embedding table against
 the same step in plain torch, its time and the CPU of every process; IDs/s of one shard under 4 workers; a row
 table's memory and time against its size), sparse_many (a 52-table DeepFM-shaped model, 2 workers x 2 shards,
-against plain torch: CPU per sample and step time; then workers x shards and 1 to 100 tables),
+against plain torch: CPU per sample and step time; then workers x shards and 1 to 100 tables), sparse_peer
+(TorchRec's DistributedModelParallel on 2 CPU ranks against our step and the local one; needs make bench-peers,
+else skipped),
 replication (--replicas 2: the push + pull against one copy, failover and catch-up times, with a real etcd),
 link (training over a bandwidth-limited link between network namespaces, with and
 without ps-worker --overlap; needs root, else skipped), stream (CNN steps fed from shards over HTTP through a
@@ -45,6 +47,7 @@ from bench import (  # noqa: E402
     report,
     sparse,
     sparse_many,
+    sparse_peer,
     stream,
     training,
     transport,
@@ -58,6 +61,7 @@ SECTIONS = {
     "memory": memory.run,
     "sparse": sparse.run,
     "sparse_many": sparse_many.run,
+    "sparse_peer": sparse_peer.run,
     "replication": replication.run,
     "link": link.run,
     "stream": stream.run,

@@ -20,8 +20,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("transport", "baselines", "training", "memory", "sparse", "sparse_many", "replication", "link")
-SMOKE = SECTIONS[:-1]  # every section that runs on any machine
+SECTIONS = (
+    "transport",
+    "baselines",
+    "training",
+    "memory",
+    "sparse",
+    "sparse_many",
+    "sparse_peer",
+    "replication",
+    "link",
+)
+# every section that runs on any machine (sparse_peer needs make bench-peers)
+SMOKE = tuple(s for s in SECTIONS if s not in ("sparse_peer", "link"))
 LIMIT_S = 1200  # pytest-timeout's limit for the run: for a machine many times slower than usual, never a verdict
 pytestmark = pytest.mark.timeout(LIMIT_S)  # whichever test runs the module's quick run first
 
@@ -153,6 +164,7 @@ def test_baselines_bracket_the_transport_cases() -> None:
         "memory",
         "sparse",
         "sparse_many",
+        "sparse_peer",
         "replication",
         "link",
     ]

@@ -1,20 +1,15 @@
-"""The rows of sparse embedding tables on one shard: a group of tables of one width and row optimizer in one store,
-with admission and eviction.
+"""The rows of sparse embedding tables on one shard: tables of one width, row optimizer and learning rate in one store
+(as FBGEMM's table-batched embeddings share one weights tensor), with admission and eviction.
 
-A batch of IDs is the unit of work: a lookup or an update of a few thousand IDs costs a fixed number of numpy and
-torch calls, never a Python step per ID, and no work that grows with the table (the hash index's probes stay
-short), so a table of ten million rows answers nearly as fast as one of a hundred thousand. Tables that share a
-width, a row optimizer and a learning rate are one `RowGroup` (as FBGEMM's table-batched embeddings are one
-weights tensor): a batch of rows of many tables is one probe, one gather, one optimizer step and one scatter, so a
-model's cost follows the rows it touches, not how many tables it has.
+A batch of IDs is the unit of work: a few thousand IDs of any of the group's tables cost one probe, one gather, one
+optimizer step and one scatter, never a Python step per ID or per table, and no work that grows with the table.
 
-- `RowGroup`: the rows of its tables in one float32 slab [capacity, dim] and their optimizer state in another
-  [capacity, state_cols] (one slab of both measured slower: a lookup then gathers from a strided view, and the
-  optimizer's passes run over strided halves). A row is keyed by (its table's tag in
-  the group, its ID) in a paramserver.shard.id_hash.IdHash; per slot, the ID, the tag, and the version and time of
-  its last update. A free-slot stack reuses an evicted row's slot. Each table keeps its own policy (its initial
-  rows, admission, eviction by age, capacity) and its own figures.
-- `RowTable`: a group of one table, with that table's API (what tests and benchmarks of one table use).
+- `RowGroup`: values in one float32 slab [capacity, dim], optimizer state in another [capacity, state_cols] (one
+  slab of both measured slower: lookups gather from a strided view). A row is keyed by (its table's tag, its ID) in
+  an IdHash, or a DirectIndex for small bounded tables (paramserver.shard.id_hash); per slot, the ID, the tag, the
+  version and time of its last update; a free-slot stack reuses evicted slots. Each table keeps its own policy
+  (initial rows, admission, eviction by age, capacity) and figures.
+- `RowTable`: a group of one table, with that table's API.
 """
 
 from __future__ import annotations
@@ -38,13 +33,10 @@ _NO_LRU = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64), 
 
 
 class RowGroup:
-    """The rows of one or more tables of one width, row optimizer and learning rate on one shard, with their
-    optimizer state, admission and eviction.
-
-    A table is named by its tag, its position in `specs`. Batch calls take the IDs and, for a group of several
-    tables, each ID's tag (int32; None in a group of one). The caller (the shard) resolves the optimizer name and
-    the learning rate, validates and de-duplicates (tag, ID) pairs, and serialises calls: a group has no lock.
-    """
+    """The rows of one or more tables of one width, row optimizer and rate on one shard. A table is named by its tag,
+    its position in `specs`; batch calls take the IDs and, in a group of several tables, each ID's tag (int32; None
+    in a group of one). The caller resolves the optimizer and rate, validates and de-duplicates (tag, ID) pairs, and
+    serialises calls: a group has no lock."""
 
     def __init__(
         self, specs: Sequence[TableSpec], optimizer: str, lr: float, seed_rng: int = 0, direct: bool = False
