@@ -367,14 +367,20 @@ def test_lazy_adam_rows_equal_torch_sparse_adam_even_where_a_step_brings_a_shard
 
 
 def test_tables_prefetching_the_same_ids_share_their_unique_ids_until_the_ids_change() -> None:
-    cache = UniqueCache()
-    buffer = np.array([[5, 3], [5, 9]], dtype=np.int64)
+    cache = UniqueCache(num_shards=2)
+    buffer = np.array([[5, 3], [5, 9], [8, 1]], dtype=np.int64)
     ids = torch.from_numpy(buffer)
     first = cache.of(ids[:, 0])
     assert cache.of(ids[:, 0]) is first  # another view of the same IDs: computed once
-    np.testing.assert_array_equal(first[2], [5])
+    assert sorted(first.ids.tolist()) == [5, 8]
     buffer[1, 0] = 7  # written through numpy: torch's version counter does not see it, the kept copy does
     again = cache.of(ids[:, 0])
     assert again is not first
-    np.testing.assert_array_equal(again[2], [5, 7])
-    np.testing.assert_array_equal(again[1][again[3]].numpy(), [5, 7])
+    # Grouped by shard, each shard's IDs ascending and one slice; the inverse gathers the given IDs back.
+    assert sorted(again.ids.tolist()) == [5, 7, 8]
+    np.testing.assert_array_equal(again.ids[again.inverse.numpy()], [5, 7, 8])
+    assert again.parts is not None
+    for k, part in enumerate(again.parts):
+        mine = again.ids[part] if part is not None else np.empty(0, np.int64)
+        assert (shard_of(mine, 2) == k).all() and (np.diff(mine) > 0).all()
+    assert sum(len(again.ids[p]) for p in again.parts if p is not None) == 3

@@ -21,6 +21,7 @@ touched row's gradient to its shard with the dense gradients, in the same exchan
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paramserver.tables import TableSpec
+from paramserver.tables import TableSpec, shard_of
 
 MODES = (None, "sum", "mean")
 # Rows this narrow are gathered with index_select, whose backward (index_add_) measured 0.3-0.65x F.embedding's for
@@ -37,36 +38,59 @@ MODES = (None, "sum", "mean")
 NARROW = 32
 
 
-Prepared = tuple[torch.Tensor, torch.Tensor, np.ndarray, torch.Tensor]  # (a copy of IDs, unique, as numpy, inverse)
+@dataclass(frozen=True)
+class Prepared:
+    """A batch's IDs as prefetch prepares them for the forward pass and the push: their unique IDs grouped by the
+    shard that holds them (each shard's ascending), so that each shard's rows are one slice of the table's rows,
+    received in place and pushed without a copy."""
+
+    given: torch.Tensor  # a copy of the IDs prefetch was given (the caller may reuse its tensor)
+    ids: np.ndarray  # the unique IDs, int64, shard by shard (sorted where there is no split)
+    inverse: torch.Tensor  # each given ID's position in `ids`
+    parts: list[slice | None] | None  # each shard's slice of `ids` (None: holds none); None: not split
 
 
 class UniqueCache:
-    """The unique IDs of the last few ID tensors the tables of one model prefetched, so that tables given the same IDs
-    (a DeepFM's two tables per field) compute them once. An entry counts only while its IDs still equal a copy kept
-    of them: the same memory written in place since (through numpy, say, which torch's version counter does not
-    see) is computed again."""
+    """The prepared IDs of the last few ID tensors the tables of one model prefetched, so that tables given the same
+    IDs (a DeepFM's two tables per field) compute them once. An entry counts only while its IDs still equal the copy
+    it keeps: memory written in place since (through numpy, say, which torch's version counter does not see) is
+    computed again."""
 
-    def __init__(self, size: int = 64) -> None:
+    def __init__(self, num_shards: int = 1, size: int = 64) -> None:
+        self._num_shards = num_shards
         self._size = size
         self._entries: OrderedDict[tuple[object, ...], Prepared] = OrderedDict()
 
     def of(self, ids: torch.Tensor) -> Prepared:
-        """(a copy of `ids`, their unique IDs, those as int64 numpy on the CPU, each ID's position among them)."""
+        """These IDs prepared (see Prepared), split by the shards of the model's client."""
         key = (ids.data_ptr(), tuple(ids.shape), tuple(ids.stride()), ids.dtype, ids.device)
         hit = self._entries.get(key)
-        if hit is not None and torch.equal(hit[0], ids):
+        if hit is not None and torch.equal(hit.given, ids):
             self._entries.move_to_end(key)
             return hit
-        entry = _prepare(ids)
+        entry = prepare(ids, self._num_shards)
         self._entries[key] = entry
         if len(self._entries) > self._size:
             self._entries.popitem(last=False)
         return entry
 
 
-def _prepare(ids: torch.Tensor) -> Prepared:
+def prepare(ids: torch.Tensor, num_shards: int | None) -> Prepared:
+    """The unique IDs and inverse of `ids`, grouped by shard_of over `num_shards` shards (None: sorted, not split)."""
     unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-    return ids.clone(), unique, unique.to("cpu", torch.int64).numpy(), inverse
+    flat = unique.to("cpu", torch.int64).numpy()
+    if num_shards is None:
+        return Prepared(ids.clone(), flat, inverse, None)
+    if num_shards == 1:
+        return Prepared(ids.clone(), flat, inverse, [slice(0, len(flat))])
+    owner = shard_of(flat, num_shards)
+    order = np.argsort(owner, kind="stable")  # stable: each shard's IDs stay ascending
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    bounds = np.searchsorted(owner[order], np.arange(num_shards + 1)).tolist()
+    parts = [slice(lo, hi) if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    grouped = torch.from_numpy(rank).to(inverse.device)[inverse]
+    return Prepared(ids.clone(), flat[order], grouped, parts)
 
 
 class _StepState:
@@ -77,7 +101,7 @@ class _StepState:
         self.uniques = uniques
         # (unique IDs, their rows as a leaf tensor) of each forward pass since the last push
         self.touched: list[tuple[np.ndarray, torch.Tensor]] = []
-        self.planned: np.ndarray | None = None  # unique IDs the next push_pull looks up (prefetch)
+        self.planned: Prepared | None = None  # the IDs the next push_pull looks up (prefetch)
         self.ready: tuple[np.ndarray, np.ndarray] | None = None  # (unique IDs, rows) the last push_pull fetched
         # (a copy of the IDs prefetch was given, their unique IDs, as numpy, the inverse): the forward pass on those
         # IDs needs no torch.unique of its own
@@ -178,11 +202,11 @@ class SparseEmbedding(nn.Module):
         with other IDs looks them up as usual."""
         st = self._step
         # A copy of the IDs is kept with them: the caller may reuse its tensor before the forward pass.
-        st.prepared = st.uniques.of(ids) if st.uniques is not None else _prepare(ids)
-        st.planned = st.prepared[2]
+        st.prepared = st.uniques.of(ids) if st.uniques is not None else prepare(ids, None)
+        st.planned = st.prepared
         st.ready = None
 
-    def take_planned(self) -> np.ndarray | None:
+    def take_planned(self) -> Prepared | None:
         """The IDs `prefetch` named, once (PSClient's push_pull takes them)."""
         st = self._step
         planned, st.planned = st.planned, None
@@ -232,7 +256,7 @@ class SparseEmbedding(nn.Module):
         st = self._step
         prepared, st.prepared = st.prepared, None
         if prepared is not None:
-            given, _, unique, inverse = prepared
+            given, unique, inverse = prepared.given, prepared.ids, prepared.inverse
             if (
                 given.shape == ids.shape
                 and given.device == ids.device

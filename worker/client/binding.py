@@ -43,10 +43,11 @@ class Binding:
     tables: list[SparseEmbedding] = field(default_factory=list)  # the model's sparse tables, placement.tables' order
     # table -> (the unique IDs its last push prefetched, their positions per shard): the next push's row gradients
     # are for those same IDs (worker.client.rows)
-    placed: dict[int, tuple[np.ndarray, list[np.ndarray | None]]] = field(default_factory=dict)
-    uniques: UniqueCache = field(default_factory=UniqueCache)  # the tables' prefetched IDs, computed once
+    placed: dict[int, tuple[np.ndarray, Sequence[np.ndarray | slice | None]]] = field(default_factory=dict)
+    uniques: UniqueCache = field(init=False)  # the tables' prefetched IDs, computed once, split by shard
 
     def __post_init__(self) -> None:
+        self.uniques = UniqueCache(self.placement.num_shards)
         self.buffer = [s.buffer for s in self.placement.specs]
         # Elements of each shard's part, summed once here rather than at every exchange.
         self.elements = [self.placement.shard_elements(k) for k in range(self.placement.num_shards)]

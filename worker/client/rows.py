@@ -43,38 +43,40 @@ def row_jobs(b: Binding, num_shards: int) -> tuple[list[SparseJob | None] | None
     fetched: list[tuple[SparseEmbedding, np.ndarray, np.ndarray, list[tuple[np.ndarray, TableRows]]]] = []
     placed = b.placed
     b.placed = {}
-    splits: dict[int, list[np.ndarray | None]] = {}
     for index, module in enumerate(b.tables):
         taken = module.take_gradients()
         if taken is not None:
             ids, grads = taken
             found = True
-            # The rows a forward pass touched are those the last push prefetched: their split is known.
+            # The rows a forward pass touched are those the last push prefetched: their split is known, and where
+            # it is by slices (prefetch grouped the IDs by shard) each shard's part is a view, not a copy.
             known = placed.get(index)
             split = known[1] if known is not None and known[0] is ids else by_shard(ids, num_shards)
             for k, where in enumerate(split):
                 if where is not None:
                     job_of(k).rows.append(TableRows(index, ids[where], values=np.ascontiguousarray(grads[where])))
         planned = module.take_planned()
-        if planned is not None and len(planned):
+        if planned is not None and len(planned.ids):
             found = True
-            out = np.empty((len(planned), module.dim), dtype=np.float32)
-            parts = []
-            # Tables prefetching the same IDs share one array of them (worker.sparse.UniqueCache): one split.
-            split = splits.get(id(planned)) or by_shard(planned, num_shards)
-            splits[id(planned)] = split
-            b.placed[index] = (planned, split)
+            out = np.empty((len(planned.ids), module.dim), dtype=np.float32)
+            scattered = []
+            split = planned.parts if planned.parts is not None else by_shard(planned.ids, num_shards)
+            b.placed[index] = (planned.ids, split)
             for k, where in enumerate(split):
-                if where is not None:
-                    part = TableRows(index, planned[where], out=np.empty((len(where), module.dim), np.float32))
-                    job_of(k).lookups.append(part)
-                    parts.append((where, part))
-            fetched.append((module, planned, out, parts))
+                if where is None:
+                    continue
+                if isinstance(where, slice):  # a shard's rows land in place
+                    job_of(k).lookups.append(TableRows(index, planned.ids[where], out=out[where]))
+                    continue
+                part = TableRows(index, planned.ids[where], out=np.empty((len(where), module.dim), np.float32))
+                job_of(k).lookups.append(part)
+                scattered.append((where, part))
+            fetched.append((module, planned.ids, out, scattered))
 
     def deliver() -> None:
-        for module, planned, out, parts in fetched:
-            for where, part in parts:
+        for module, ids, out, scattered in fetched:
+            for where, part in scattered:
                 out[where] = part.out
-            module.fetched(planned, out)
+            module.fetched(ids, out)
 
     return (jobs if found else None), deliver
