@@ -101,11 +101,9 @@ class _StepState:
         self.uniques = uniques
         # (unique IDs, their rows as a leaf tensor) of each forward pass since the last push
         self.touched: list[tuple[np.ndarray, torch.Tensor]] = []
-        self.planned: Prepared | None = None  # the IDs the next push_pull looks up (prefetch)
+        self.planned: Prepared | None = None  # the IDs the next push_pull looks up (prefetch), until it takes them
         self.ready: tuple[np.ndarray, np.ndarray] | None = None  # (unique IDs, rows) the last push_pull fetched
-        # (a copy of the IDs prefetch was given, their unique IDs, as numpy, the inverse): the forward pass on those
-        # IDs needs no torch.unique of its own
-        self.prepared: Prepared | None = None
+        self.prepared: Prepared | None = None  # prefetch's IDs: the forward pass on them needs no torch.unique
 
 
 class RowSource(Protocol):
