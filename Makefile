@@ -46,11 +46,16 @@ bench-smoke: $(STAMP)
 	PS_BENCH_SMOKE=1 $(PY) -m pytest tests/test_bench_smoke.py -q
 
 ## bench-peers: TorchRec 1.8.0 and FBGEMM 1.8.0 (CPU) for make bench's sparse_peer section (skipped without them).
-## A target, not an extra: pip cannot leave out an extra's dependencies, and theirs would pull another torch; these
-## are the versions that load with torch 2.13.0 (1.7 and 1.9 fail with undefined symbols), with what torchrec imports.
+## A target, not an extra: pip cannot leave out an extra's dependencies, and theirs would pull another torch (torchrec
+## asks for fbgemm-gpu unpinned: the CUDA build). These load with torch 2.13.0 (1.7 and 1.9 fail with undefined
+## symbols); the second line is what torchrec imports, pinned, also without dependencies (checked in a bare venv with
+## torch alone). pip then warns that torchrec's fbgemm-gpu and torchmetrics are missing: neither is imported.
+PEER_PINS := fbgemm-gpu-cpu==1.8.0 torchrec==1.8.0
+PEER_IMPORT_PINS := tensordict==0.15.3 cloudpickle==3.1.3 pyvers==0.2.3 pyre-extensions==0.0.32 typing-inspect==0.9.0 \
+	mypy-extensions==1.2.0
 bench-peers: $(STAMP)
-	$(PY) -m pip install -q --no-deps fbgemm-gpu-cpu==1.8.0 torchrec==1.8.0 tensordict==0.15.3
-	$(PY) -m pip install -q cloudpickle pyvers pyre-extensions typing-inspect mypy-extensions iopath
+	$(PY) -m pip install -q --no-deps $(PEER_PINS)
+	$(PY) -m pip install -q --no-deps $(PEER_IMPORT_PINS)
 
 ## bench: the benchmark suite against its baselines, in one run -> bench/results/latest.{json,md,png}
 bench: $(STAMP)
