@@ -274,6 +274,25 @@ def test_a_data_socket_ticket_relabelled_as_a_segment_is_refused_at_the_doorbell
         assert _ok(served.call(raw_request(raw, pull=True))).pulled.version == 0
 
 
+def test_a_segment_relabelled_as_a_ticket_is_refused_at_the_data_socket_and_kept(raw: Raw) -> None:
+    """The other direction: a segment's nonce in a data-socket hello (no name, as a ticket has none) is refused at
+    the data socket, and the segment still proves its own doorbell connection, once (SPEC.md section 10)."""
+    seg = raw.segment()
+    doorbell = raw.attach(seg).doorbell
+    relabelled = raw.hello(seg)
+    relabelled.data_socket.SetInParent()  # the oneof: now a ticket hello, the segment's nonce
+    with _bell(_port(raw)) as bell:
+        status, kind, _ = _error(bell.call(relabelled))
+        assert (status, kind) == (FP, "NotAttached")
+        assert bell.closed_by_peer(), "a refused hello must end the connection"
+    served = Bell(doorbell)
+    try:
+        assert served.call(raw.hello(seg)) == bytes([OK_BYTE])
+        assert _ok(served.call(raw_request(raw, pull=True))).pulled.version == 0
+    finally:
+        served.close()
+
+
 def test_an_evicted_worker_loses_its_doorbell_connection(raw: Raw) -> None:
     seg = raw.segment()
     bell = Bell(raw.attach(seg).doorbell)
