@@ -261,35 +261,21 @@ def _case(plan: Plan, procs: Processes, local: Child, workers: list[Child], tabl
         f"samples/s {median(got['rate']):.2f}x"
     )
     what = f"{tables} tables, {w} worker(s), {shards} shard(s), sync, shared memory, batch {batch} a worker"
+    titles = {
+        "cpu": "CPU seconds per sample of the workers and shards ÷ the local process's",
+        "step": "job step ÷ local step",
+        "rate": "samples/s of the job ÷ the local process's",
+    }
     return [
         Figure(
-            id=f"{SECTION}.cpu.{key}",
+            id=f"{SECTION}.{kind}.{key}",
             section=SECTION,
-            title=f"CPU seconds per sample of the workers and shards ÷ the local process's; {what}; per round",
+            title=f"{title}; {what}; per round",
             unit="x",
-            repeats=[round(x, 4) for x in got["cpu"]],
-            params={**params, "target": TARGET_CPU if main else None},
+            repeats=[round(x, 4) for x in got[kind]],
+            params={**params, "target": TARGET_CPU if main and kind == "cpu" else None},
             warmup=plan.many_batches,
             extra=extra,
-        ),
-        Figure(
-            id=f"{SECTION}.step.{key}",
-            section=SECTION,
-            title=f"job step ÷ local step; {what}; per round",
-            unit="x",
-            repeats=[round(x, 4) for x in got["step"]],
-            params=params,
-            warmup=plan.many_batches,
-            extra=extra,
-        ),
-        Figure(
-            id=f"{SECTION}.rate.{key}",
-            section=SECTION,
-            title=f"samples/s of the job ÷ the local process's; {what}; per round",
-            unit="x",
-            repeats=[round(x, 4) for x in got["rate"]],
-            params=params,
-            warmup=plan.many_batches,
-            extra=extra,
-        ),
+        )
+        for kind, title in titles.items()
     ]

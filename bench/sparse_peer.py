@@ -176,35 +176,21 @@ def _dim(plan: Plan, local: Child, ours: Child, ranks: list[Child], cluster: Any
             warmup=plan.sparse_batches,
             extra=extra,
         ),
-        Figure(
-            id=f"{SECTION}.torchrec.step.d{dim}",
-            section=SECTION,
-            title=f"TorchRec DMP step per rank ÷ the local step (nn.Embedding sparse + Adagrad), dim {dim}; per round",
-            unit="x",
-            repeats=[round(x, 4) for x in got["peer"]],
-            params=params,
-            warmup=plan.sparse_batches,
-            extra=extra,
-        ),
-        Figure(
-            id=f"{SECTION}.torchrec.cpu.d{dim}",
-            section=SECTION,
-            title=f"TorchRec DMP CPU per rank-step ÷ the local step's, dim {dim}; per round",
-            unit="x",
-            repeats=[round(x, 4) for x in got["peer_cpu"]],
-            params=params,
-            warmup=plan.sparse_batches,
-            extra=extra,
-        ),
-        Figure(
-            id=f"{SECTION}.ours.d{dim}",
-            section=SECTION,
-            title=f"our step (1 worker, 2 shards, sync, shared memory) ÷ TorchRec DMP's step per rank, dim {dim}; "
-            "per round",
-            unit="x",
-            repeats=[round(x, 4) for x in got["ours_vs_peer"]],
-            params={**params, "target": round(TARGET, 4)},
-            warmup=plan.sparse_batches,
-            extra=extra,
+        *(
+            Figure(
+                id=f"{SECTION}.{fid}.d{dim}",
+                section=SECTION,
+                title=f"{title}, dim {dim}; per round",
+                unit="x",
+                repeats=[round(x, 4) for x in got[kind]],
+                params={**params, "target": round(TARGET, 4)} if fid == "ours" else params,
+                warmup=plan.sparse_batches,
+                extra=extra,
+            )
+            for fid, kind, title in (
+                ("torchrec.step", "peer", "TorchRec DMP step per rank ÷ the local step (nn.Embedding sparse, Adagrad)"),
+                ("torchrec.cpu", "peer_cpu", "TorchRec DMP CPU per rank-step ÷ the local step's"),
+                ("ours", "ours_vs_peer", "our step (1 worker, 2 shards, sync, shared memory) ÷ TorchRec's per rank"),
+            )
         ),
     ]
