@@ -17,7 +17,7 @@ from paramserver import modes
 from paramserver.config import ServerConfig
 from paramserver.errors import StaleRound
 from paramserver.shard.membership import Membership
-from paramserver.shard.sparse import RowBlock, ShardTables
+from paramserver.shard.row_blocks import RowBlock, combine
 from paramserver.v1 import ps_pb2
 
 
@@ -198,7 +198,7 @@ class SyncPolicy:
         assert total is not None
         if len(self._contributors) > 1:  # the mean of one gradient is itself: spare a pass over the buffer
             total.div_(len(self._contributors))
-        rows = ShardTables.combine(self._rows, len(self._contributors)) if self._rows else ()
+        rows = combine(self._rows, len(self._contributors)) if self._rows else ()
         self._contributors = set()
         self._rows = []
         try:

@@ -113,10 +113,10 @@ class RowGroup:
         slabs = self._values.untyped_storage().nbytes() + self._state.untyped_storage().nbytes()
         return int(slabs + self._index.nbytes + self._counts.nbytes + sum(a.nbytes for a in arrays))
 
-    def _per_table(self, tags: np.ndarray | None, n: int) -> np.ndarray:
-        """How many of n keys belong to each table."""
+    def _per_table(self, tags: np.ndarray | None, n: int) -> np.ndarray | int:
+        """How many of n keys belong to each table (a group of one: n, added to its one-element arrays)."""
         if tags is None:
-            return n  # type: ignore[return-value]  # added to a one-table array, as its one count
+            return n
         return np.bincount(tags, minlength=len(self.specs)).astype(np.int64)
 
     # --- reads -------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import numpy as np
 
 from paramserver.config import ServerConfig
 from paramserver.errors import InvalidArgument, MalformedStream, TooLarge
-from paramserver.shard.row_blocks import RowBlock, combine, joined, planned
+from paramserver.shard.row_blocks import RowBlock, joined, planned
 from paramserver.shard.row_optimizers import row_optimizer
 from paramserver.shard.row_store import RowGroup
 from paramserver.tables import TableSpec, shard_of
@@ -160,7 +160,12 @@ class _Batch:
     ids: np.ndarray
     values: np.ndarray | None
     tags: np.ndarray | None  # each ID's table in the group (None in a group of one)
-    tables: np.ndarray  # each ID's table index in the model
+    tables: np.ndarray  # each block's table index in the model
+    starts: np.ndarray  # where each block's IDs start in `ids`
+
+    def table_at(self, position: int) -> int:
+        """The table (model index) of the ID at this position."""
+        return int(self.tables[np.searchsorted(self.starts, position, side="right") - 1])
 
 
 class ShardTables:
@@ -257,7 +262,8 @@ class ShardTables:
             counts = [len(b.ids) for b in parts]
             values = joined(parts, values=True) if parts[0].values is not None else None
             tags = np.repeat(self._tag_of[tables], counts) if self.groups[g].tagged else None
-            out.append(_Batch(g, where, joined(parts), values, tags, np.repeat(tables, counts)))
+            starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+            out.append(_Batch(g, where, joined(parts), values, tags, tables, starts))
         return out
 
     def check(self, blocks: Sequence[RowBlock]) -> None:
@@ -275,17 +281,21 @@ class ShardTables:
             self._check_batch(blocks, batch)
 
     def _check_batch(self, blocks: Sequence[RowBlock], batch: _Batch) -> None:
-        ids, tables = batch.ids, batch.tables
+        ids = batch.ids
         if not len(ids):
             return
-        bounds = self._bounds[tables]
-        outside = (bounds > 0) & ((ids < 0) | (ids >= bounds))
-        if outside.any():
-            k = int(tables[np.argmax(outside)])
-            raise InvalidArgument(self.specs[k].check_ids(ids[(tables == k)]))
-        # Clients send each shard's IDs sorted (torch.unique's order): then one comparison proves them distinct.
+        block_bounds = self._bounds[batch.tables]
+        if block_bounds.any():  # per-ID bounds only where some table of the batch is bounded
+            bounds = np.repeat(block_bounds, np.diff(np.append(batch.starts, len(ids))))
+            outside = (bounds > 0) & ((ids < 0) | (ids >= bounds))
+            if outside.any():
+                b = blocks[batch.blocks[np.searchsorted(batch.starts, np.argmax(outside), side="right") - 1]]
+                raise InvalidArgument(self.specs[b.table].check_ids(b.ids))
+        # Clients send each shard's IDs sorted (torch.unique's order): then one comparison proves them distinct. A
+        # block's first ID need not exceed the last of the block before it.
         rising = ids[1:] > ids[:-1]
-        rising |= tables[1:] != tables[:-1]
+        edges = batch.starts[(batch.starts > 0) & (batch.starts < len(ids))] - 1
+        rising[edges] = True
         if not rising.all():
             for i in batch.blocks:
                 b = blocks[i]
@@ -298,14 +308,14 @@ class ShardTables:
             owner = shard_of(ids, self.num_shards)
             wrong = np.flatnonzero(owner != self.index)
             if len(wrong):
-                bad, name = int(ids[wrong[0]]), self.specs[int(tables[wrong[0]])].name
+                bad, name = int(ids[wrong[0]]), self.specs[batch.table_at(int(wrong[0]))].name
                 raise InvalidArgument(
                     f"table {name!r}: ID {bad} belongs to shard {int(owner[wrong[0]])}, not {self.index} (mix64(id) "
                     f"mod {self.num_shards}, see ps.proto TableSpec)"
                 )
         if batch.values is not None and not np.isfinite(batch.values).all():
             finite = np.isfinite(batch.values).all(axis=1)
-            name = self.specs[int(tables[np.argmin(finite)])].name
+            name = self.specs[batch.table_at(int(np.argmin(finite)))].name
             raise InvalidArgument(f"table {name!r}: NaN or Inf in the rows' gradients")
 
     def check_room(self, blocks: Sequence[RowBlock]) -> None:
@@ -384,13 +394,6 @@ class ShardTables:
     def nbytes(self) -> int:
         """What the memory cap counts of every table's rows (see ROW_OVERHEAD_BYTES)."""
         return sum(g.rows * (g.row_bytes + ROW_OVERHEAD_BYTES) for g in self.groups)
-
-    # -- sync rounds ---------------------------------------------------------------------------------------------
-
-    @staticmethod
-    def combine(blocks: Sequence[RowBlock], divide_by: int) -> list[RowBlock]:
-        """One block per table from a round's blocks (see paramserver.shard.row_blocks.combine)."""
-        return combine(blocks, divide_by)
 
     # -- state ---------------------------------------------------------------------------------------------------
 
