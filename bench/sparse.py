@@ -28,7 +28,7 @@ import time
 import warnings
 from typing import Any
 
-from bench import sparse_memory
+from bench import sparse_memory, sparse_overlap
 from bench.common import Channel, Child, Figure, Plan, Processes, cpu_seconds, log, median, ms
 from bench.sparse_memory import BATCH, zipf_ids
 
@@ -102,7 +102,7 @@ def _worker(chan: Channel, params: dict[str, Any]) -> None:
     import torch
     from torch import nn
 
-    from worker import PSClient, SparseEmbedding
+    from worker import Overlap, PSClient, SparseEmbedding
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -119,6 +119,7 @@ def _worker(chan: Channel, params: dict[str, Any]) -> None:
 
     client: PSClient | None = None
     model: Model | None = None
+    overlap: Overlap[int] | None = None
     i = 0
 
     def step() -> tuple[float, float, float, float]:
@@ -132,8 +133,12 @@ def _worker(chan: Channel, params: dict[str, Any]) -> None:
         model.zero_grad()
         loss.backward()
         t2 = time.perf_counter()
-        model.table.prefetch(batches[i % len(batches)])  # the next batch's rows ride this push_pull
-        client.push_pull(model)
+        if overlap is None:
+            model.table.prefetch(batches[i % len(batches)])  # the next batch's rows ride this push_pull
+            client.push_pull(model)
+        else:  # this exchange runs while the next step computes: it brings the batch after next's rows
+            model.table.prefetch(batches[(i + 1) % len(batches)])
+            overlap.step()
         t3 = time.perf_counter()
         return t0, t1, t2, t3
 
@@ -146,6 +151,7 @@ def _worker(chan: Channel, params: dict[str, Any]) -> None:
                 model = Model(job["dim"])
                 client = PSClient(job["address"], shared_memory=wire == "shm", data_socket=wire != "grpc")
                 client.register(model)
+                overlap = Overlap(model, client.push_pull) if job.get("overlap") else None
                 transports = sorted({type(link.transport).__name__ for link in client.links})
                 for _ in range(len(batches)):  # warm-up: every row of the batches made on the shards
                     step()
@@ -168,11 +174,16 @@ def _worker(chan: Channel, params: dict[str, Any]) -> None:
                     steps += 1
                 chan.send("result", steps=steps, began=began, ended=time.time())
             elif op == "close":
+                if overlap is not None:
+                    overlap.finish()
+                    overlap.close()
                 if client is not None:
                     client.close()
-                client, model = None, None
+                client, model, overlap = None, None, None
                 chan.send("closed")
     finally:
+        if overlap is not None:
+            overlap.close()
         if client is not None:
             client.close()
 
@@ -203,6 +214,7 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
                 warmup=plan.sparse_batches,
             )
         )
+    figures += sparse_overlap.run(plan, procs, local, worker)
     procs.close_children([worker])
     figures += _throughput(plan, procs, local)
     procs.close_children([local])
@@ -210,11 +222,25 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
     return figures
 
 
-def _round(local: Child, dim: int, n: int) -> tuple[list[float], float]:
+def local_round(local: Child, dim: int, n: int) -> tuple[list[float], float]:
     """`n` local steps: their times, and the CPU seconds they took."""
     local.send(dim=dim, n=n)
     got = local.expect("result", TIMEOUT)
     return got["times"], got["cpu"]
+
+
+def paired_round(
+    local: Child, worker: Child, pids: list[int], dim: int, n: int
+) -> tuple[list[float], float, list[float], dict[str, Any], float]:
+    """`n` local steps, then `n` PS steps: the local times and CPU seconds, each PS step's time (forward to the
+    end of its exchange), the worker's result and the CPU seconds of the shard processes `pids`."""
+    lt, local_cpu = local_round(local, dim, n)
+    before = cpu_seconds(pids)
+    worker.send(op="steps", n=n)
+    r = worker.expect("result", TIMEOUT)
+    shards_cpu = cpu_seconds(pids) - before
+    steps = [a + b + c for a, b, c in zip(r["forward"], r["backward"], r["push_pull"], strict=True)]
+    return lt, local_cpu, steps, r, shards_cpu
 
 
 def _step_case(
@@ -238,12 +264,7 @@ def _step_case(
             pids = [p.pid for p in cluster.procs]
             n = plan.sparse_steps
             for _ in range(plan.sparse_rounds):
-                lt, local_cpu = _round(local, dim, n)
-                before = cpu_seconds(pids)
-                worker.send(op="steps", n=n)
-                r = worker.expect("result", TIMEOUT)
-                shards_cpu = cpu_seconds(pids) - before
-                st = [a + b + c for a, b, c in zip(r["forward"], r["backward"], r["push_pull"], strict=True)]
+                lt, local_cpu, st, r, shards_cpu = paired_round(local, worker, pids, dim, n)
                 for key in phases:
                     phases[key] += r[key]
                 ps += st
@@ -369,7 +390,7 @@ def _throughput(plan: Plan, procs: Processes, local: Child) -> list[Figure]:
                 k.expect("ready", TIMEOUT)
             rates, ratios, per_worker = [], [], []
             for _ in range(plan.sparse_rounds):
-                lt, _ = _round(local, dim, plan.sparse_steps)
+                lt, _ = local_round(local, dim, plan.sparse_steps)
                 local_rates += [BATCH / t / 1e6 for t in lt]
                 for k in kids:
                     k.send(op="run", seconds=plan.sparse_seconds)

@@ -124,6 +124,10 @@ def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.Co
         assert cpu is not None and all(r > 0 for r in cpu["repeats"]), path
     for what in ("cpu", "step", "rate"):
         assert any(i.startswith(f"sparse_many.{what}.t52.w2.s2") for i in ids), what
+    # One async worker whose exchanges overlap its steps (tables prefetched two ahead) against the local step.
+    for path in ("shm", "socket"):
+        overlapped = by_id.get(f"sparse.overlap.{path}.s2.d64")
+        assert overlapped is not None and all(r > 0 for r in overlapped["repeats"]), path
     # Replication: --replicas 2 against 1 in the same run, a failover and the restarted copy's catch-up timed.
     replicated = [f for i, f in by_id.items() if i.startswith("replication.rt.") and i.endswith(".r2")]
     assert replicated, "no replication cost figure"

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
 from paramserver import ServerConfig
-from worker import Overlap, PSClient
+from paramserver.tables import initial_rows
+from worker import Overlap, PSClient, SparseEmbedding
 from worker.trainer import TrainConfig, train
 
 Tensors = dict[str, torch.Tensor]
@@ -141,6 +144,25 @@ def test_a_failed_exchange_is_raised_by_the_next_step_and_leaves_the_weights_alo
     assert not any(t.name.startswith("ps-overlap") and t.is_alive() for t in threading.enumerate())
 
 
+def _delayed_gradient_sgd(
+    twin: torch.nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    loss: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+    lr: float,
+) -> list[torch.Tensor]:
+    """The servers' states S_0..S_n computed locally from the twin's parameters (S_0), gradient t computed on
+    S_max(t-2, 0) as an overlapped worker computes it; returns S_n."""
+    states = [[p.detach().clone() for p in twin.parameters()]]
+    for t, (x, y) in enumerate(batches, start=1):
+        with torch.no_grad():
+            for p, w in zip(twin.parameters(), states[max(t - 2, 0)], strict=True):
+                p.copy_(w)
+        twin.zero_grad()
+        loss(twin, x, y).backward()
+        states.append([w - lr * p.grad for w, p in zip(states[-1], twin.parameters(), strict=True)])
+    return states[-1]
+
+
 def test_overlapped_async_training_is_delayed_gradient_sgd(ps_cluster_factory):
     """Against real shards: step t's gradient is computed on the weights after step t-2's push (the initial
     ones for steps 1 and 2), each push is applied exactly once, and the last weights come back with finish()."""
@@ -169,15 +191,10 @@ def test_overlapped_async_training_is_delayed_gradient_sgd(ps_cluster_factory):
 
     # The same arithmetic locally: the servers' states S_0..S_n, and gradient t computed on S_max(t-2, 0).
     twin = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
-    states = [reference]
-    for t, (x, y) in enumerate(batches, start=1):
-        with torch.no_grad():
-            for p, w in zip(twin.parameters(), states[max(t - 2, 0)], strict=True):
-                p.copy_(w)
-        twin.zero_grad()
-        loss(twin, x, y).backward()
-        states.append([w - lr * p.grad for w, p in zip(states[-1], twin.parameters(), strict=True)])
-    for p, w, (name, q) in zip(model.parameters(), states[-1], pulled.items(), strict=True):
+    for p, w in zip(twin.parameters(), reference, strict=True):
+        p.data.copy_(w)
+    final = _delayed_gradient_sgd(twin, batches, loss, lr)
+    for p, w, (name, q) in zip(model.parameters(), final, pulled.items(), strict=True):
         torch.testing.assert_close(p.detach(), w, rtol=0, atol=1e-6)
         torch.testing.assert_close(q, p.detach(), rtol=0, atol=0, msg=name)
 
@@ -185,3 +202,56 @@ def test_overlapped_async_training_is_delayed_gradient_sgd(ps_cluster_factory):
 def test_overlap_is_refused_in_a_sync_job_with_a_message_naming_the_flag(ps_cluster):
     with pytest.raises(ValueError, match=r"--overlap needs an async or ssp job.*sync job"):
         train(TrainConfig(server=ps_cluster.address, model="logreg", steps=2, overlap=True, progress=False))
+
+
+def test_overlapped_tables_prefetched_two_ahead_train_as_delayed_gradient_sgd(ps_cluster_factory):
+    """A model with a SparseEmbedding: step t's exchange pushes the rows step t touched and brings the rows of batch
+    t+2, so step t computes on the rows and dense weights after step t-2's push (the initial ones for steps 1 and
+    2). Step 2's rows were prefetched by nobody: its forward pass looks them up after exchange 1, and its IDs are
+    apart from step 1's, so those rows are still the initial ones. A row read after the wrong update, or a gradient
+    taken by the wrong exchange, changes the result."""
+    lr, steps, n, dim = 0.2, 8, 32, 4
+    cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="sgd", lr=lr), shards=2)
+    gen = torch.Generator().manual_seed(5)
+    batches = []
+    for t in range(steps):
+        low, high = (0, n // 2) if t == 0 else (n // 2, n) if t == 1 else (0, n)
+        batches.append((torch.randint(low, high, (6, 2), generator=gen), torch.randn(6, generator=gen)))
+
+    class Model(torch.nn.Module):
+        def __init__(self, table: torch.nn.Module) -> None:
+            super().__init__()
+            self.table = table
+            self.head = torch.nn.Linear(2 * dim, 1)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.table(ids).reshape(len(ids), -1)).squeeze(-1)
+
+    def loss(net: torch.nn.Module, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((net(ids) - y) ** 2).mean()
+
+    torch.manual_seed(2)
+    model = Model(SparseEmbedding(dim, num_embeddings=n, init_scale=0.3, seed=5))
+    head0 = {k: v.clone() for k, v in model.head.state_dict().items()}
+    with PSClient(cluster.address) as client:
+        client.register(model)
+        with Overlap(model, client.push_pull) as overlap:
+            for t, (ids, y) in enumerate(batches):
+                model.zero_grad(set_to_none=False)
+                loss(model, ids, y).backward()
+                if t + 2 < steps:
+                    model.table.prefetch(batches[t + 2][0])  # the exchange about to start brings its rows
+                overlap.step()
+            overlap.finish()
+        assert client.versions == [steps, steps]
+        rows = torch.from_numpy(client.lookup(model, 0, np.arange(n)))
+
+    # The same arithmetic locally, the table dense: the states S_0..S_n, gradient t computed on S_max(t-2, 0).
+    twin = Model(torch.nn.Embedding(n, dim))
+    with torch.no_grad():
+        twin.table.weight.copy_(torch.from_numpy(initial_rows(model.table.spec("table"), np.arange(n))))
+        twin.head.load_state_dict(head0)
+    table, *dense = _delayed_gradient_sgd(twin, batches, loss, lr)
+    torch.testing.assert_close(rows, table, rtol=0, atol=1e-6)
+    for p, w in zip(model.head.parameters(), dense, strict=True):
+        torch.testing.assert_close(p.detach(), w, rtol=0, atol=1e-6)

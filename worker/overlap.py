@@ -13,6 +13,13 @@ weights the servers answer with). Once an exchange is back its storage becomes t
 becomes the next gradient, and this step's gradient goes out. A buffer (BatchNorm's running statistics), which the
 forward pass updates in place, is copied instead: its value now goes out with the gradient, and the value the
 servers answer with is copied into it when the exchange is back.
+
+A model's sparse tables (worker.sparse.SparseEmbedding) ride along: each step's exchange pushes the gradients of
+the rows its forward pass touched (set aside by `seal` on the caller's thread before the exchange starts, so the
+next forward pass cannot mix in) and fetches the rows its tables were told to `prefetch`. Prefetch two batches
+ahead: the exchange sent after step t's backward brings the rows of batch t+2, which step t+2 uses with the dense
+weights of that same exchange. A forward pass on IDs nobody prefetched looks its rows up, after the exchange in
+flight (one exchange on a client's links at a time): correct, but that step does not overlap.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Generic, TypeVar
 import torch
 
 from worker.client.binding import TensorDict, buffers_of
+from worker.sparse import tables_of
 
 T = TypeVar("T")
 Exchange = Callable[[dict[str, torch.Tensor]], T]
@@ -46,6 +54,7 @@ class Overlap(Generic[T]):
         if not self._params:
             raise ValueError("the model has no parameters")
         self._buffers = buffers_of(model)
+        self._tables = tables_of(model)
         self._exchange = exchange
         self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-overlap")
         # Each set of storages is one dict of tensors, the same objects from step to step (so the client binds each
@@ -59,6 +68,7 @@ class Overlap(Generic[T]):
         return TensorDict(
             [*params.items(), *((name, b.detach().clone()) for name, b in self._buffers)],
             buffers=(name for name, _ in self._buffers),
+            tables=self._tables,
         )
 
     def step(self) -> T | None:
@@ -75,6 +85,10 @@ class Overlap(Generic[T]):
             for name, b in self._buffers:
                 grads[name].copy_(b)  # the value this step's forward left: it goes out with the gradient
         result, freed = self._land()
+        # What this step's exchange sends of each table, set aside before the next forward pass touches rows (and
+        # after the last exchange took its own).
+        for _, table in self._tables:
+            table.seal()
         self._in_flight = (self._pool.submit(self._exchange, grads), grads)
         # Backward accumulates into .grad in place, so the next step needs a storage of its own: the data just
         # replaced (on the first step, a new one). The caller zeroes it with zero_grad as usual.

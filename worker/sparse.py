@@ -20,7 +20,9 @@ touched row's gradient to its shard with the dense gradients, in the same exchan
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,6 +38,8 @@ MODES = (None, "sum", "mean")
 # 2,048 IDs at dim 1 and 16 (embedding's dense backward has a fixed cost of about 0.1 ms); wider, F.embedding is
 # faster (0.75x index_select's at dim 64). Both give each row the sum of its IDs' gradients.
 NARROW = 32
+READY_KEPT = 4  # prefetched batches a table holds the rows of; more are dropped, oldest first (never read)
+PREPARED_KEPT = 4  # prefetched batches a table keeps the unique IDs of
 
 
 @dataclass(frozen=True)
@@ -94,16 +98,34 @@ def prepare(ids: torch.Tensor, num_shards: int | None) -> Prepared:
 
 
 class _StepState:
-    """A table's state between steps: where it reads rows, what it touched, what it prefetched."""
+    """A table's state between steps: where it reads rows, what it touched, what it prefetched.
+
+    A push may take what a table sends on another thread than the one running the next forward pass (worker.overlap
+    `seal`s it first), and hands the rows it fetched back from there: `ready` is the only part both threads write,
+    under its lock."""
 
     def __init__(self, source: RowSource | None = None, uniques: UniqueCache | None = None) -> None:
         self.source = source
         self.uniques = uniques
-        # (unique IDs, their rows as a leaf tensor) of each forward pass since the last push
-        self.touched: list[tuple[np.ndarray, torch.Tensor]] = []
+        # (unique IDs, their rows as a leaf tensor, each shard's slice of the IDs where prefetch grouped them) of each
+        # forward pass since the last push
+        self.touched: list[tuple[np.ndarray, torch.Tensor, list[slice | None] | None]] = []
         self.planned: Prepared | None = None  # the IDs the next push_pull looks up (prefetch), until it takes them
-        self.ready: tuple[np.ndarray, np.ndarray] | None = None  # (unique IDs, rows) the last push_pull fetched
-        self.prepared: Prepared | None = None  # prefetch's IDs: the forward pass on them needs no torch.unique
+        self.sealed: Outgoing | None = None  # what the next push sends, set aside by seal()
+        # Rows pushes fetched, not yet used by a forward pass: id(unique IDs) -> (unique IDs, rows). Up to
+        # READY_KEPT: an overlapped loop prefetches two batches ahead.
+        self.ready: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.ready_lock = threading.Lock()
+        # prefetch's IDs, oldest first: a forward pass on one of them needs no torch.unique
+        self.prepared: list[Prepared] = []
+
+
+@dataclass
+class Outgoing:
+    """What a table sends with a push: its touched rows' summed gradients (None: none) and the IDs it prefetches."""
+
+    gradients: tuple[np.ndarray, np.ndarray, list[slice | None] | None] | None
+    planned: Prepared | None
 
 
 class RowSource(Protocol):
@@ -194,26 +216,66 @@ class SparseEmbedding(nn.Module):
         self._step = _StepState(source, uniques)
 
     def prefetch(self, ids: torch.Tensor) -> None:
-        """Say which IDs the next forward pass will look up: the next `client.push_pull(model)` then fetches their
-        rows in the same exchange, after its update applied (the rows of the version it pulls), and that forward
-        pass uses them instead of asking the shards again: one round trip per step instead of two. A forward pass
-        with other IDs looks them up as usual."""
+        """Say which IDs a coming forward pass will look up: the next `client.push_pull(model)` then fetches their
+        rows in the same exchange, after its update applied (the rows of the version it pulls), and a forward pass
+        on those IDs uses them instead of asking the shards again: one round trip per step instead of two. A
+        forward pass with other IDs looks them up as usual. A loop that overlaps its exchanges (worker.overlap)
+        prefetches two batches ahead: the exchange in flight fetches the rows of the batch after next."""
         st = self._step
         # A copy of the IDs is kept with them: the caller may reuse its tensor before the forward pass.
-        st.prepared = st.uniques.of(ids) if st.uniques is not None else prepare(ids, None)
-        st.planned = st.prepared
-        st.ready = None
+        prepared = st.uniques.of(ids) if st.uniques is not None else prepare(ids, None)
+        st.prepared.append(prepared)
+        del st.prepared[:-PREPARED_KEPT]
+        st.planned = prepared
 
-    def take_planned(self) -> Prepared | None:
-        """The IDs `prefetch` named, once (PSClient's push_pull takes them)."""
+    def seal(self) -> None:
+        """Set aside what the next push sends (the touched rows' gradients, the prefetched IDs), so that a push on
+        another thread takes exactly these while this thread runs the next forward pass (worker.overlap)."""
         st = self._step
+        gradients = self._summed(st.touched)
+        st.touched = []
         planned, st.planned = st.planned, None
-        return planned
+        before = st.sealed
+        if before is not None:  # a push that never took the last ones (it failed first): send both
+            both = [g for g in (before.gradients, gradients) if g is not None]
+            gradients = self._merged(both) if len(both) == 2 else (both[0] if both else None)
+            planned = planned or before.planned
+        st.sealed = Outgoing(gradients, planned)
+
+    def take_push(self) -> Outgoing:
+        """What the next push sends, once: what `seal` set aside, else what the forward passes since the last push
+        left (PSClient's push and push_pull take it)."""
+        st = self._step
+        sealed, st.sealed = st.sealed, None
+        if sealed is not None:
+            return sealed
+        touched, st.touched = st.touched, []
+        planned, st.planned = st.planned, None
+        return Outgoing(self._summed(touched), planned)
 
     def fetched(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Hold prefetched rows for the next forward pass (PSClient's push_pull gives them)."""
+        """Hold prefetched rows for the forward pass on these IDs (PSClient's push_pull gives them, on whichever
+        thread ran the exchange)."""
         st = self._step
-        st.ready = (ids, rows)
+        with st.ready_lock:
+            st.ready[id(ids)] = (ids, rows)
+            while len(st.ready) > READY_KEPT:
+                del st.ready[next(iter(st.ready))]
+
+    def _ready_rows(self, wanted: np.ndarray) -> np.ndarray | None:
+        """The prefetched rows of exactly these unique IDs, once (None: none were fetched)."""
+        st = self._step
+        if not st.ready:
+            return None
+        with st.ready_lock:
+            hit = st.ready.pop(id(wanted), None)
+            if hit is not None and hit[0] is wanted:
+                return hit[1]
+            for key, (ids, rows) in st.ready.items():
+                if np.array_equal(ids, wanted):
+                    del st.ready[key]
+                    return rows
+        return None
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
         st = self._step
@@ -228,12 +290,9 @@ class SparseEmbedding(nn.Module):
             raise ValueError(
                 "mode None takes ids alone; mode 'sum' or 'mean' takes 1-D ids and the offsets where each bag starts"
             )
-        wanted, inverse = self._unique(ids)
-        ready, st.ready = st.ready, None
-        if ready is not None and (ready[0] is wanted or np.array_equal(ready[0], wanted)):
-            rows = torch.from_numpy(ready[1])
-        else:
-            rows = torch.from_numpy(st.source.lookup(wanted))
+        wanted, inverse, parts = self._unique(ids)
+        fetched = self._ready_rows(wanted)
+        rows = torch.from_numpy(fetched if fetched is not None else st.source.lookup(wanted))
         if rows.shape != (len(wanted), self.dim):
             raise RuntimeError(
                 f"the shards sent rows of shape {tuple(rows.shape)} for {len(wanted)} IDs of dim {self.dim}"
@@ -241,48 +300,53 @@ class SparseEmbedding(nn.Module):
         rows = rows.to(ids.device)
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
-            st.touched.append((wanted, rows))
+            st.touched.append((wanted, rows, parts))
         if offsets is None:
             if self.dim <= NARROW:
                 return rows.index_select(0, inverse.reshape(-1)).reshape(*ids.shape, self.dim)
             return F.embedding(inverse.reshape(ids.shape), rows)
         return F.embedding_bag(inverse, rows, offsets, mode=self.mode or "mean")
 
-    def _unique(self, ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-        """The unique IDs (int64, on the CPU) and each ID's position among them: those prefetch computed when these
-        are the IDs it was given (the usual loop), else computed now."""
+    def _unique(self, ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, list[slice | None] | None]:
+        """The unique IDs (int64, on the CPU), each ID's position among them, and each shard's slice of them: those
+        prefetch computed when these are IDs it was given (the usual loop), else computed now (no slices)."""
         st = self._step
-        prepared, st.prepared = st.prepared, None
-        if prepared is not None:
-            given, unique, inverse = prepared.given, prepared.ids, prepared.inverse
+        for k, prepared in enumerate(st.prepared):
+            given = prepared.given
             if (
                 given.shape == ids.shape
                 and given.device == ids.device
                 and given.dtype == ids.dtype
                 and torch.equal(given, ids)
             ):
-                return unique, inverse.to(ids.device)
+                del st.prepared[: k + 1]  # this one, and any older ones the loop skipped
+                return prepared.ids, prepared.inverse.to(ids.device), prepared.parts
         unique_t, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-        return unique_t.to("cpu", torch.int64).numpy(), inverse
+        return unique_t.to("cpu", torch.int64).numpy(), inverse, None
 
-    def take_gradients(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The unique IDs touched since the last call and the summed gradient of each row (float32 [n, dim], on the
-        CPU), forgetting them; None if no touched row has a gradient."""
-        st = self._step
-        touched, st.touched = st.touched, []
-        parts = [(ids, rows.grad) for ids, rows in touched if rows.grad is not None]
+    def _summed(
+        self, touched: list[tuple[np.ndarray, torch.Tensor, list[slice | None] | None]]
+    ) -> tuple[np.ndarray, np.ndarray, list[slice | None] | None] | None:
+        """The unique IDs of these forward passes' rows, each row's summed gradient (float32 [n, dim], on the CPU)
+        and each shard's slice of the IDs where known; None if no row has a gradient."""
+        parts = [(ids, rows.grad, split) for ids, rows, split in touched if rows.grad is not None]
         if not parts:
             return None
         if len(parts) == 1:
-            ids, grad = parts[0]
-            return ids, grad.detach().to("cpu", torch.float32).contiguous().numpy()
-        # Several forward passes before one push (gradient accumulation): one row per ID, their gradients summed.
+            ids, grad, split = parts[0]
+            return ids, grad.detach().to("cpu", torch.float32).contiguous().numpy(), split
+        return self._merged([(ids, grad.detach().to("cpu", torch.float32), None) for ids, grad, _ in parts])
+
+    def _merged(
+        self, parts: Sequence[tuple[np.ndarray, np.ndarray | torch.Tensor, list[slice | None] | None]]
+    ) -> tuple[np.ndarray, np.ndarray, None]:
+        """Several forward passes before one push (gradient accumulation): one row per ID, their gradients summed."""
         all_ids = np.concatenate([p[0] for p in parts])
         unique, inverse = np.unique(all_ids, return_inverse=True)
         summed = torch.zeros((len(unique), self.dim), dtype=torch.float32)
-        grads = torch.cat([g.detach().to("cpu", torch.float32) for _, g in parts])
+        grads = torch.cat([torch.as_tensor(g) for _, g, _ in parts])
         summed.index_add_(0, torch.from_numpy(inverse.reshape(-1).astype(np.int64)), grads)
-        return unique, summed.numpy()
+        return unique, summed.numpy(), None
 
 
 def tables_of(module: nn.Module) -> list[tuple[str, SparseEmbedding]]:

@@ -21,11 +21,18 @@ from worker.sparse import SparseEmbedding, UniqueCache
 
 class TensorDict(dict[str, torch.Tensor]):
     """A mapping of name -> tensor that names which of its entries are buffers (sent as their values, not as
-    gradients): a module's tensors as a mapping, e.g. for worker.overlap. A plain mapping holds parameters only."""
+    gradients), and the model's sparse tables (named by their path in it) whose rows travel with its exchanges: a
+    module's tensors as a mapping, e.g. for worker.overlap. A plain mapping holds parameters only."""
 
-    def __init__(self, items: Iterable[tuple[str, torch.Tensor]] = (), buffers: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        items: Iterable[tuple[str, torch.Tensor]] = (),
+        buffers: Iterable[str] = (),
+        tables: Iterable[tuple[str, SparseEmbedding]] = (),
+    ) -> None:
         super().__init__(items)
         self.buffers = frozenset(buffers)
+        self.tables = list(tables)
 
 
 Tensors = torch.nn.Module | Mapping[str, torch.Tensor]
@@ -41,9 +48,6 @@ class Binding:
     host: list[torch.Tensor | None]  # a CPU float32 mirror for buffers and tensors that are not CPU-contiguous
     largest_part: int = 0  # elements of the largest shard's part
     tables: list[SparseEmbedding] = field(default_factory=list)  # the model's sparse tables, placement.tables' order
-    # table -> (the unique IDs its last push prefetched, their positions per shard): the next push's row gradients
-    # are for those same IDs (worker.client.rows)
-    placed: dict[int, tuple[np.ndarray, Sequence[np.ndarray | slice | None]]] = field(default_factory=dict)
     uniques: UniqueCache = field(init=False)  # the tables' prefetched IDs, computed once, split by shard
 
     def __post_init__(self) -> None:

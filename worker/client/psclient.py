@@ -10,7 +10,6 @@ which push their values and pull the job's (see worker.client.binding).
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import threading
 import time
@@ -24,15 +23,16 @@ import grpc
 import numpy as np
 import torch
 
-from paramserver.errors import JobFull, PSError, PullTimeout, UnknownWorker, Unreachable, from_rpc_error
+from paramserver.errors import JobFull, PSError, PullTimeout, UnknownWorker
 from paramserver.modes import mode_name
 from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
 from paramserver.security import channel_credentials, client_ssl_context, open_channel
 from paramserver.transport import shm
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire.chunks import CHUNK_BYTES, itemsize, wire_dtype
-from worker.client.binding import Binding, Tensors, tensors_of
-from worker.client.link import CONNECT_S, Session, ShardLink
+from worker.client.binding import Binding, TensorDict, Tensors, tensors_of
+from worker.client.channels import REPLICA_KEEPALIVE, channel_options, first_contact
+from worker.client.link import Session, ShardLink
 from worker.client.rows import by_shard, row_jobs
 from worker.client.transports import INLINE_BYTES, NO_TURNS, SparseJob, TableRows, Turns
 from worker.sparse import tables_of
@@ -41,100 +41,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Unary calls retry UNAVAILABLE (a shard restarting) with backoff, declared once for the channel. Streams are
-# retried by ShardLink.retry instead; a push is safe to resend because the server dedupes (worker, step).
-_SERVICE_CONFIG = json.dumps(
-    {
-        "methodConfig": [
-            {
-                # Unary calls only: gRPC's own retry of a server stream (Pull) waiting when its shard dies was
-                # seen to never return, not even at its deadline. Streams are retried by ShardLink.retry.
-                "name": [
-                    {"service": "paramserver.v1.ParameterServer", "method": m}
-                    for m in ("GetTopology", "Join", "Leave", "Heartbeat", "Attach")
-                ],
-                "retryPolicy": {
-                    "maxAttempts": 5,
-                    "initialBackoff": "0.1s",
-                    "maxBackoff": "2s",
-                    "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE"],
-                },
-            }
-        ]
-    }
-)
-
-# Channel options of a worker's links to the copies of replicated shards (see PSClient): pings even while a call
-# waits for its answer, a second apart, and a second to answer each (the shards accept pings that often).
-REPLICA_KEEPALIVE: list[tuple[str, Any]] = [
-    ("grpc.keepalive_time_ms", 1000),
-    ("grpc.keepalive_timeout_ms", 1000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-
-# The first contact with a shard that does not answer (not started yet, or a wrong address): tried again after
-# this long, then twice as long each time up to the cap, each try logged, until PSClient's connect_timeout.
-CONNECT_RETRY_S = 1.0
-CONNECT_RETRY_MAX_S = 5.0
 # How long a Join waits for a place in a full job: three of the shards' default lease timeouts (10 s), so that the
 # place of a worker that died just before (its lease still running) frees meanwhile.
 JOB_FULL_WAIT_S = 30.0
 
-__all__ = ["INLINE_BYTES", "PSClient", "Tensors", "channel_options"]
-
-
-def channel_options(max_message_bytes: int = 4 * 1024 * 1024 + 4096) -> list[tuple[str, Any]]:
-    """Options of every channel the client opens."""
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.enable_retries", 1),
-        # Reconnect fast after a short outage, so heartbeats resume well within a lease.
-        ("grpc.initial_reconnect_backoff_ms", 200),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-        ("grpc.service_config", _SERVICE_CONFIG),
-    ]
-
-
-def _first_contact(stub: ps_pb2_grpc.ParameterServerStub, address: str, limit: float) -> ps_pb2.Topology:
-    """Ask the shard at `address` for the topology, asking again while nothing answers there (it may still be
-    starting), with a warning per try that says why and when the worker gives up; Unreachable after `limit` s.
-
-    No wait_for_ready: with it a refused connection is silent until the deadline, and then reads as a timeout."""
-    began = time.monotonic()
-    delay, why = CONNECT_RETRY_S, ""
-    while True:
-        left = began + limit - time.monotonic()
-        try:
-            return stub.GetTopology(ps_pb2.GetTopologyRequest(), timeout=max(min(CONNECT_S, left), 0.1))
-        except grpc.RpcError as err:
-            if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise from_rpc_error(err, address) from None
-            # A try cut short by the give-up time says less than the refusal before it.
-            if err.code() == grpc.StatusCode.UNAVAILABLE or not why:
-                why = _why_unreachable(err)
-        left = began + limit - time.monotonic()
-        if left <= 0:
-            raise Unreachable(
-                f"cannot connect to {address} ({why}); gave up after {time.monotonic() - began:.0f} s: is ps-server "
-                "running there, and is the address right?"
-            )
-        wait = min(delay, left)
-        log.warning("cannot connect to %s (%s); trying again in %.1f s, giving up in %.0f s", address, why, wait, left)
-        time.sleep(wait)
-        delay = min(2 * delay, CONNECT_RETRY_MAX_S)
-
-
-def _why_unreachable(err: grpc.RpcError) -> str:
-    """The reason in a failed connection's status, as a person would say it ("connection refused")."""
-    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return "no answer in time"
-    detail = (err.details() or "").strip() if hasattr(err, "details") else ""
-    reason = detail.rsplit(": ", 1)[-1].strip(" []()") if detail else ""
-    reason = reason or "unavailable"
-    return reason[:1].lower() + reason[1:]
+__all__ = ["INLINE_BYTES", "PSClient", "Tensors"]
 
 
 class _Rows:
@@ -161,7 +72,7 @@ class PSClient:
     current weights (and buffers) into it in place; `push(model)` sends every parameter's `.grad` and every
     buffer's value; `push_pull(model)` does both in one exchange per shard (what a training step needs). Also works
     on a plain mapping of name -> float32 tensor (push then sends the tensors themselves as the gradient; a
-    `TensorDict` names which entries are buffers).
+    `TensorDict` names which entries are buffers, and which tables ride along).
 
     Shards on this host exchange tensors through shared memory (`shared_memory=False` turns that off); others
     through their data socket, raw bytes over TCP (`data_socket=False` turns that off); the rest through gRPC:
@@ -225,6 +136,9 @@ class PSClient:
         self.world_size = 1
         self._step = 0
         self._bindings: dict[int, Binding] = {}
+        # One exchange or lookup on the links at a time: a forward pass's lookup waits for an exchange that another
+        # thread runs (worker.overlap). Re-entrant: a failed exchange's caller may pull on the same thread.
+        self._links_busy = threading.RLock()
         self._closing = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self.links: tuple[ShardLink, ...] = ()
@@ -233,7 +147,7 @@ class PSClient:
         no_retries = [(k, v) for k, v in options if k != "grpc.enable_retries"] + [("grpc.enable_retries", 0)]
         entry = open_channel(address, no_retries, credentials, auth_token)
         try:
-            topo = _first_contact(ps_pb2_grpc.ParameterServerStub(entry), address, connect_timeout)
+            topo = first_contact(ps_pb2_grpc.ParameterServerStub(entry), address, connect_timeout)
         finally:
             entry.close()
         self.topology = topo
@@ -359,6 +273,8 @@ class PSClient:
             return b
         specs = [TensorSpec(n, tuple(t.shape), is_b) for n, t, is_b in zip(names, tensors, buffer, strict=True)]
         tables = tables_of(obj) if isinstance(obj, torch.nn.Module) else []
+        if isinstance(obj, TensorDict):  # a module's tensors as a mapping, its tables riding along
+            tables = obj.tables
         table_specs = [module.spec(name or "table") for name, module in tables]
         slice_elements = int(self.topology.slice_elements) or SLICE_ELEMENTS
         placement = place(specs, len(self.links), slice_elements, table_specs)
@@ -396,6 +312,10 @@ class PSClient:
         return self._lookup(self._bind(obj), table, ids)
 
     def _lookup(self, b: Binding, table: int, ids: np.ndarray) -> np.ndarray:
+        with self._links_busy:
+            return self._lookup_now(b, table, ids)
+
+    def _lookup_now(self, b: Binding, table: int, ids: np.ndarray) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         dim = b.placement.tables[table].dim
         out = np.empty((len(ids), dim), dtype=np.float32)
@@ -470,6 +390,17 @@ class PSClient:
     ) -> int:
         """Push `grads` (if given, with each shard's `rows`), then pull (if asked), on every shard at once; return
         the lowest version."""
+        with self._links_busy:
+            return self._exchange_now(b, grads, step, pull, rows)
+
+    def _exchange_now(
+        self,
+        b: Binding,
+        grads: list[np.ndarray] | None,
+        step: int,
+        pull: bool,
+        rows: list[SparseJob | None] | None,
+    ) -> int:
         flats = b.flats() if pull else None
         bases = self.versions
         large = b.largest_part * itemsize(self.dtype) > INLINE_BYTES

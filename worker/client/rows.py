@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -41,28 +41,25 @@ def row_jobs(b: Binding, num_shards: int) -> tuple[list[SparseJob | None] | None
         return job
 
     fetched: list[tuple[SparseEmbedding, np.ndarray, np.ndarray, list[tuple[np.ndarray, TableRows]]]] = []
-    placed = b.placed
-    b.placed = {}
     for index, module in enumerate(b.tables):
-        taken = module.take_gradients()
-        if taken is not None:
-            ids, grads = taken
+        outgoing = module.take_push()
+        if outgoing.gradients is not None:
+            ids, grads, split = outgoing.gradients
             found = True
-            # The rows a forward pass touched are those the last push prefetched: their split is known, and where
-            # it is by slices (prefetch grouped the IDs by shard) each shard's part is a view, not a copy.
-            known = placed.get(index)
-            split = known[1] if known is not None and known[0] is ids else by_shard(ids, num_shards)
-            for k, where in enumerate(split):
+            # The rows a forward pass touched are usually those a push prefetched: prefetch grouped their IDs by
+            # shard, so each shard's part is a slice (a view, not a copy).
+            for k, where in enumerate(split if split is not None else by_shard(ids, num_shards)):
                 if where is not None:
                     job_of(k).rows.append(TableRows(index, ids[where], values=np.ascontiguousarray(grads[where])))
-        planned = module.take_planned()
+        planned = outgoing.planned
         if planned is not None and len(planned.ids):
             found = True
             out = np.empty((len(planned.ids), module.dim), dtype=np.float32)
-            scattered = []
-            split = planned.parts if planned.parts is not None else by_shard(planned.ids, num_shards)
-            b.placed[index] = (planned.ids, split)
-            for k, where in enumerate(split):
+            scattered: list[tuple[np.ndarray, TableRows]] = []
+            places: Sequence[slice | np.ndarray | None] = (
+                planned.parts if planned.parts is not None else by_shard(planned.ids, num_shards)
+            )
+            for k, where in enumerate(places):
                 if where is None:
                     continue
                 if isinstance(where, slice):  # a shard's rows land in place
