@@ -11,7 +11,7 @@ MODEL ?= cnn
 DATA ?= memory
 DEMO_ARGS ?=
 
-.PHONY: install demo test lint proto clean bench bench-peers bench-smoke stress deploy-check image image-test netns-test netns-clean monitoring-test js-test
+.PHONY: install demo test lint proto clean bench bench-peers bench-smoke gpu-check stress deploy-check image image-test netns-test netns-clean monitoring-test js-test
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ proto: $(STAMP)
 ## bench-smoke: the benchmark suite's quick run (about a minute) checked by tests/test_bench_smoke.py
 bench-smoke: $(STAMP)
 	PS_BENCH_SMOKE=1 $(PY) -m pytest tests/test_bench_smoke.py -q
+
+## gpu-check: the worker's CUDA path against the CPU's, on real shards (tests/test_gpu.py: dense, BatchNorm buffers,
+## autocast, sparse rows, the trainer); every test skips without a CUDA device. Where the project is not installed:
+## PYTHONPATH=. python -m pytest tests/test_gpu.py -v
+gpu-check: $(STAMP)
+	$(PY) -m pytest tests/test_gpu.py -v
 
 ## bench-peers: TorchRec 1.8.0 and FBGEMM 1.8.0 (CPU) for make bench's sparse_peer section (skipped without them).
 ## A target, not an extra: pip cannot leave out an extra's dependencies, and theirs would pull another torch (torchrec
