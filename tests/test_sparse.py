@@ -384,3 +384,24 @@ def test_tables_prefetching_the_same_ids_share_their_unique_ids_until_the_ids_ch
         mine = again.ids[part] if part is not None else np.empty(0, np.int64)
         assert (shard_of(mine, 2) == k).all() and (np.diff(mine) > 0).all()
     assert sum(len(again.ids[p]) for p in again.parts if p is not None) == 3
+
+
+def test_a_table_survives_deepcopy_and_pickling_without_its_steps_in_flight(
+    ps_cluster_factory: Callable[..., object],
+) -> None:
+    """A copy (an EMA or evaluation copy) reads rows where the original does; a pickled model comes back
+    unregistered, saying so at its forward pass."""
+    import copy
+    import pickle
+
+    cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="sgd", lr=0.1), shards=2)
+    model = PSModel()
+    batch = make_batches(1, 8)[0]
+    with PSClient(cluster.address) as client:  # type: ignore[attr-defined]
+        client.register(model)
+        model.item.prefetch(batch[0])
+        twin = copy.deepcopy(model)
+        torch.testing.assert_close(twin(*batch[:3]), model(*batch[:3]))
+        thawed = pickle.loads(pickle.dumps(model))
+        with pytest.raises(RuntimeError, match="not registered"):
+            thawed(*batch[:3])

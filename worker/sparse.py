@@ -119,6 +119,14 @@ class _StepState:
         # prefetch's IDs, oldest first: a forward pass on one of them needs no torch.unique
         self.prepared: list[Prepared] = []
 
+    def __deepcopy__(self, memo: dict[int, object]) -> _StepState:
+        """A copied model's table reads rows where the original does, with nothing of its steps in flight."""
+        return _StepState(self.source, self.uniques)
+
+    def __reduce__(self) -> tuple[type[_StepState], tuple[()]]:
+        """A pickled model's table comes back unregistered (its rows live on the shards; register it again)."""
+        return (_StepState, ())
+
 
 @dataclass
 class Outgoing:
