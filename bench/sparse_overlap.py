@@ -27,10 +27,10 @@ def run(plan: Plan, procs: Processes, local: Child, worker: Child) -> list[Figur
     from paramserver import ServerConfig
 
     figures: list[Figure] = []
-    cluster = procs.cluster(ServerConfig(mode="async", workers=1, optimizer="adagrad", lr=LR), SHARDS)
-    procs.settle()
-    try:
-        for dim in plan.sparse_dims:
+    for dim in plan.sparse_dims:  # a cluster per width: each holds one model
+        cluster = procs.cluster(ServerConfig(mode="async", workers=1, optimizer="adagrad", lr=LR), SHARDS)
+        procs.settle()
+        try:
             for wire in [w for w in ("shm", "socket") if w in plan.sparse_wires]:
                 worker.send(op="open", address=cluster.address, wire=wire, dim=dim, overlap=True)
                 worker.expect("ready", TIMEOUT)
@@ -51,8 +51,8 @@ def run(plan: Plan, procs: Processes, local: Child, worker: Child) -> list[Figur
                     f"against local {median(local_steps) * 1e3:.2f} ms = {median(ratios):.2f}x the local samples/s; "
                     f"CPU {median(cpu):.2f}x"
                 )
-    finally:
-        procs.stop_soon(cluster)
+        finally:
+            procs.stop_soon(cluster)
     return figures
 
 
