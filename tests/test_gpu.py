@@ -46,7 +46,9 @@ from worker import PSClient, SparseEmbedding
 from worker.gradients import compute_gradients
 from worker.precision import MixedPrecision
 
-DEVICE = os.environ.get("PS_GPU_CHECK_DEVICE", "cuda")
+# With its index: a tensor's device reads cuda:0, never cuda, so the checks compare against that.
+_ASKED = os.environ.get("PS_GPU_CHECK_DEVICE", "cuda")
+DEVICE = "cuda:0" if _ASKED == "cuda" else _ASKED
 ON_CUDA = torch.device(DEVICE).type == "cuda"
 pytestmark = [
     pytest.mark.timeout(300),

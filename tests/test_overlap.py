@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -255,3 +256,30 @@ def test_overlapped_tables_prefetched_two_ahead_train_as_delayed_gradient_sgd(ps
     torch.testing.assert_close(rows, table, rtol=0, atol=1e-6)
     for p, w in zip(model.head.parameters(), dense, strict=True):
         torch.testing.assert_close(p.detach(), w, rtol=0, atol=1e-6)
+
+
+def test_a_parameter_through_the_host_mirror_is_not_changed_under_the_next_steps_backward(ps_cluster_factory):
+    """A parameter that is not a contiguous CPU tensor (a CUDA one, here a transposed one) gets the pulled weights
+    through a torch copy, which counts as an in-place change of that storage's tensor. The storage Overlap takes the
+    parameter's data from must not share the parameter's version counter, or the exchange in flight, writing into
+    it, changes a tensor that the next step's backward saved (autograd raises)."""
+    cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="sgd", lr=0.1), shards=2)
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 5))
+    model[2].weight = torch.nn.Parameter(torch.randn(6, 5).t())  # transposed: its weights go through the mirror
+    x = torch.randn(8, 6)
+    with PSClient(cluster.address) as client:
+        client.register(model)
+        with Overlap(model, client.push_pull) as overlap:
+            for _ in range(6):
+                model.zero_grad(set_to_none=False)
+                loss = model(x).square().sum()
+                time.sleep(0.05)  # the exchange in flight lands between this forward pass and its backward
+                loss.backward()
+                overlap.step()
+            overlap.finish()
+        assert client.versions == [6, 6]
+        pulled = {n: torch.empty(p.shape) for n, p in model.named_parameters()}
+        client.pull(pulled)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), pulled[name], rtol=0, atol=0, msg=name)

@@ -59,7 +59,10 @@ class Overlap(Generic[T]):
         self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-overlap")
         # Each set of storages is one dict of tensors, the same objects from step to step (so the client binds each
         # dict once): the set the parameters alias, the set backward fills, the set in flight with its result.
-        self._data: dict[str, torch.Tensor] = self._storages({name: p.detach() for name, p in self._params})
+        # `.data`, not detach(): a detached tensor shares the parameter's version counter, and an exchange writing
+        # into this set later (a CUDA or strided tensor's weights are copied in with torch) would count as changing
+        # the parameter under the backward pass of the step then running.
+        self._data: dict[str, torch.Tensor] = self._storages({name: p.data for name, p in self._params})
         self._grads: dict[str, torch.Tensor] = {}
         self._in_flight: tuple[futures.Future[T], dict[str, torch.Tensor]] | None = None
 
