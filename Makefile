@@ -26,7 +26,7 @@ install: $(STAMP)
 ## from shards over HTTP, warmup-cosine); MODEL=recsys: the
 ## sparse-table demo (a DLRM-style model on generated click logs, AUC against local training and the ceiling)
 demo: $(STAMP)
-	$(PY) -m worker.demo --mode $(MODE) --shards $(SHARDS) --workers $(WORKERS) --port $(PORT) --model $(MODEL) --data $(DATA) $(DEMO_ARGS)
+	$(PY) -m worker.demos.demo --mode $(MODE) --shards $(SHARDS) --workers $(WORKERS) --port $(PORT) --model $(MODEL) --data $(DATA) $(DEMO_ARGS)
 
 ## test: the whole suite (unit, servicer, end-to-end with real servers on port 0)
 test: $(STAMP)

@@ -47,7 +47,7 @@ def _child(model_name: str) -> dict[str, list[float]]:
         size = numel // parts
         model = {f"layer{i}.weight": torch.randn(size) for i in range(parts)}
     else:
-        from worker.models import build_model
+        from worker.models.builtin import build_model
 
         net = build_model("mlp", in_shape=(1, 8, 8), num_classes=10)
         model = {name: p.detach().clone() for name, p in net.named_parameters()}

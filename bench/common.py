@@ -364,7 +364,7 @@ def child_main(roles: dict[str, Callable[[Channel, dict[str, Any]], None]], role
 
 # -- what a run measures ----------------------------------------------------------------------------------------
 
-MLP_PARAMS = 85_002  # the digits MLP: worker.models.build_model("mlp", in_shape=(1, 8, 8), num_classes=10)
+MLP_PARAMS = 85_002  # the digits MLP: worker.models.builtin.build_model("mlp", in_shape=(1, 8, 8), num_classes=10)
 
 
 @dataclass(frozen=True)

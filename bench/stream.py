@@ -1,7 +1,7 @@
 """Stream: does prefetching hide the storage? A worker's training steps fed from shards over a bandwidth-limited
 HTTP link, against the same steps fed from local disk (issue 18: at least 0.9x, where the link's bandwidth allows).
 
-A dataset of image-like samples (3x32x32 float32, 10 classes) is prepared into Parquet shards (worker/prepare.py).
+A dataset of image-like samples (3x32x32 float32, 10 classes) is prepared into Parquet shards (worker/data/prepare.py).
 Hosts are network namespaces on a bridge (deploy/netns/netlab.py): two storage hosts, each serving the shards with
 `python -m http.server`, and a worker host whose consumer does a real forward, backward and SGD step of the
 project's CNN on each batch, on one CPU thread. The storage hosts' links are limited by a tbf token bucket:
@@ -71,7 +71,7 @@ def _write_npz(path: Path, samples: int, test: int) -> None:
 
 def _prepare(work: Path, plan: Plan) -> tuple[Path, dict[str, Any]]:
     """Write the dataset's shards under work/data; return the directory and the train split's sizes."""
-    from worker.prepare import PrepareConfig, prepare
+    from worker.data.prepare import PrepareConfig, prepare
 
     shards, per_shard = _sizes(plan)
     npz = work / "images.npz"
@@ -301,8 +301,8 @@ def _consume_main(argv: list[str]) -> int:
     import torch
     import torch.nn.functional as F
 
-    from worker.models import build_model
-    from worker.stream import StreamedDataset
+    from worker.data.stream import StreamedDataset
+    from worker.models.builtin import build_model
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

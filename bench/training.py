@@ -1,6 +1,6 @@
 """Training: samples/s of real training against 2 shard processes, against the same model trained locally.
 
-Each worker is a process of its own that runs `worker.trainer.train(TrainConfig(...))`, the loop ps-worker runs,
+Each worker is a process of its own that runs `worker.train.trainer.train(TrainConfig(...))`, the loop ps-worker runs,
 with one torch thread. Worker processes start (imports, data, three warm-up steps) while the shards start, and
 serve several runs each; every run gets fresh shards, so it starts from the same initial weights. The local
 baseline is a plain torch loop in one process: the same data pipeline, batch size 32, Adam lr 1e-3 with torch's
@@ -30,9 +30,9 @@ def _trainer(chan: Channel, params: dict[str, Any]) -> None:
     import torch
     import torch.nn.functional as F
 
-    import worker.trainer  # noqa: F401 - imported now, not inside the first timed run
-    from worker.data import load_dataset
-    from worker.models import build_model
+    import worker.train.trainer  # noqa: F401 - imported now, not inside the first timed run
+    from worker.data.datasets import load_dataset
+    from worker.models.builtin import build_model
 
     torch.set_num_threads(1)
     data = load_dataset(params["dataset"])
@@ -52,7 +52,7 @@ def _trainer(chan: Channel, params: dict[str, Any]) -> None:
 
 
 def _ps_run(data: Any, params: dict[str, Any], msg: dict[str, Any]) -> dict[str, Any]:
-    from worker.trainer import TrainConfig, train
+    from worker.train.trainer import TrainConfig, train
 
     config = TrainConfig(
         server=msg["server"],
@@ -77,9 +77,9 @@ def _local_run(data: Any, params: dict[str, Any], msg: dict[str, Any]) -> dict[s
     import torch
     import torch.nn.functional as F
 
-    from worker.data import batches, shard_for_rank, steps_per_epoch
-    from worker.gradients import accuracy_of
-    from worker.models import build_model
+    from worker.data.datasets import batches, shard_for_rank, steps_per_epoch
+    from worker.models.builtin import build_model
+    from worker.train.gradients import accuracy_of
 
     torch.manual_seed(0)  # the same initial weights as a ps run (seed 0)
     model = build_model(params["model"], in_shape=data.in_shape, num_classes=data.num_classes)

@@ -54,7 +54,7 @@ def _worker(chan: Channel, params: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     if params.get("model") == "mlp":
-        from worker.models import build_model
+        from worker.models.builtin import build_model
 
         net = build_model("mlp", in_shape=(1, 8, 8), num_classes=10)
         model = {name: p.detach().clone() for name, p in net.named_parameters()}

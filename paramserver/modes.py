@@ -17,7 +17,7 @@ class Mode:
     """One consistency mode: its wire value and what a worker needs to know of it."""
 
     wire: ps_pb2.Mode  # its ps.proto Mode value
-    overlap: bool  # workers may send a gradient one step late (worker.overlap): updates apply on arrival
+    overlap: bool  # workers may send a gradient one step late (worker.train.overlap): updates apply on arrival
     help: str  # one line, for --help
 
     @property

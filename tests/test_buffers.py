@@ -27,10 +27,10 @@ from paramserver.placement import TensorSpec, digest, place
 from paramserver.shard import checkpoint
 from paramserver.shard.state import Shard
 from worker import Overlap, PSClient
-from worker.data import load_dataset
-from worker.gradients import accuracy_of
-from worker.models import build_model
-from worker.trainer import TrainConfig, train
+from worker.data.datasets import load_dataset
+from worker.models.builtin import build_model
+from worker.train.gradients import accuracy_of
+from worker.train.trainer import TrainConfig, train
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -295,7 +295,7 @@ def test_a_worker_that_joins_mid_job_evaluates_with_the_jobs_statistics(
     and save it; a third joins and, before any step, evaluates as they did; the saved model evaluates the same."""
     cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=2, optimizer="adam", lr=0.01), shards=2)
     digits = load_dataset("digits")
-    factory = "worker.models:resnet"
+    factory = "worker.models.builtin:resnet"
     metrics: dict[int, dict] = {}
 
     def fresh(seed: int) -> nn.Module:

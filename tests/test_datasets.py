@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from paramserver.config import ServerConfig
-from worker.fileserver import FileServer
-from worker.manifest import is_prepared, load_manifest
-from worker.prepare import PrepareConfig, prepare
-from worker.stream import StreamedDataset
-from worker.trainer import TrainConfig, train
+from worker.data.fileserver import FileServer
+from worker.data.manifest import is_prepared, load_manifest
+from worker.data.prepare import PrepareConfig, prepare
+from worker.data.stream import StreamedDataset
+from worker.train.trainer import TrainConfig, train
 
 
 def _ids(data: StreamedDataset, rank: int, world: int, *, epoch: int = 0, start: int = 0, batch: int = 32) -> list:
@@ -256,7 +256,7 @@ def test_ps_prepare_command(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "worker.prepare",
+            "worker.data.prepare",
             "synthetic",
             "--out",
             str(tmp_path / "s"),
@@ -272,7 +272,7 @@ def test_ps_prepare_command(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "8192 train samples in 3 shards" in done.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "worker.prepare", "nonsense", "--out", str(tmp_path / "t")],
+        [sys.executable, "-m", "worker.data.prepare", "nonsense", "--out", str(tmp_path / "t")],
         capture_output=True,
         text=True,
         env=env,

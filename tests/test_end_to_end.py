@@ -20,7 +20,7 @@ from paramserver.server.cluster import PORT_LINE, READY_LINE
 from paramserver.shard.state import make_optimizer
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from worker import PSClient
-from worker.models import build_model
+from worker.models.builtin import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -89,7 +89,7 @@ def test_the_demo_never_trains_on_a_server_it_did_not_start():
     config = ServerConfig(mode="sync", workers=1)
     with LocalCluster(config, shards=1, port=0) as foreign:
         port = int(foreign.address.rsplit(":", 1)[1])
-        result = _run("-m", "worker.demo", "--port", str(port), "--no-progress")
+        result = _run("-m", "worker.demos.demo", "--port", str(port), "--no-progress")
         assert result.returncode == 1
         assert "in use" in result.stderr and f":{port}" in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
@@ -101,7 +101,7 @@ def test_the_demo_takes_free_ports_by_default(taken_port):
     # Whatever else listens on this host, the demo's own servers (and its HTTP server) get ports of their own. The
     # run streams the digits as shards from that HTTP server: make demo DATA=sharded.
     result = _run(
-        "-m", "worker.demo", "--no-progress", "--data", "sharded", "--epochs", "4", "--model", "mlp", timeout=240
+        "-m", "worker.demos.demo", "--no-progress", "--data", "sharded", "--epochs", "4", "--model", "mlp", timeout=240
     )
     assert "servers stopped with status 0" in result.stdout, result.stdout + result.stderr
     address = re.search(r"workers: ps-worker --server (\S+)", result.stdout)

@@ -6,14 +6,14 @@ server config, each run against its own real shards: a LocalCluster of 2 shards 
   step equal the CPU run's to 1e-5; on CUDA every tensor goes through a pinned host mirror and comes back by a
   non_blocking copy (worker/client/binding.py), written in place;
 - buffers: a BatchNorm model's running_mean, running_var and num_batches_tracked, and its weights, as the CPU run's;
-- autocast: MixedPrecision.for_device("bfloat16" or "float16", cuda) through worker.gradients.compute_gradients
+- autocast: MixedPrecision.for_device("bfloat16" or "float16", cuda) through worker.train.gradients.compute_gradients
   (what the trainer runs): the forward pass in that dtype, the loss finite, the weights moved, close to the CPU
   float32 run's;
 - sparse rows: SparseEmbedding tables (per ID, and a "sum" bag with offsets) fed CUDA int64 IDs, the next batch's
   IDs prefetched before each push_pull, sync, Adagrad: the rows read back and the dense weights equal the CPU
   run's to 1e-5, the prefetched rows are used (no extra lookups), and forward passes on IDs that were not
   prefetched gather the shards' rows;
-- the trainer: worker.trainer.train on digits with device="cuda" (a sync ResNet with BatchNorm, an async CNN with
+- the trainer: worker.train.trainer.train on digits with device="cuda" (a sync ResNet with BatchNorm, an async CNN with
   overlap) finishes with the CPU run's steps and about its test accuracy.
 
 Every test is skipped where torch.cuda.is_available() is False, so `make test` stays cheap. On a GPU machine:
@@ -43,8 +43,8 @@ from torch import nn
 from paramserver import LocalCluster, ServerConfig
 from paramserver.transport import shm
 from worker import PSClient, SparseEmbedding
-from worker.gradients import compute_gradients
-from worker.precision import MixedPrecision
+from worker.train.gradients import compute_gradients
+from worker.train.precision import MixedPrecision
 
 # With its index: a tensor's device reads cuda:0, never cuda, so the checks compare against that.
 _ASKED = os.environ.get("PS_GPU_CHECK_DEVICE", "cuda")
@@ -280,8 +280,8 @@ def test_sparse_rows_for_device_ids_equal_the_cpu_runs() -> None:
     "mode,overlap,model", [("sync", False, "resnet"), ("async", True, "cnn")], ids=["sync-resnet", "async-overlap-cnn"]
 )
 def test_the_trainer_on_the_device_finishes_with_the_cpu_runs_metrics(mode: str, overlap: bool, model: str) -> None:
-    from worker.data import load_dataset
-    from worker.trainer import TrainConfig, train
+    from worker.data.datasets import load_dataset
+    from worker.train.trainer import TrainConfig, train
 
     try:
         digits = load_dataset("digits")

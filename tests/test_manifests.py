@@ -186,7 +186,7 @@ def expand(argv: list[str], env: dict[str, str]) -> list[str]:
 def parse(program: str, argv: list[str]) -> argparse.Namespace:
     """Parse argv with the command's own parser and build its config dataclass (which validates the values)."""
     from paramserver.config import ServerConfig, from_arguments
-    from worker.trainer import TrainConfig
+    from worker.train.trainer import TrainConfig
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

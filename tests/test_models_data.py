@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from worker.data import Dataset, batches, load_dataset, shard_for_rank, steps_per_epoch
-from worker.models import BUILTIN_MODELS, build_model
+from worker.data.datasets import Dataset, batches, load_dataset, shard_for_rank, steps_per_epoch
+from worker.models.builtin import BUILTIN_MODELS, build_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,9 +166,9 @@ def test_sklearn_is_imported_only_for_digits() -> None:
         """
         import sys
         sys.modules["sklearn"] = None
-        import worker.data, worker.models
+        import worker.data.datasets, worker.models.builtin
         try:
-            worker.data.load_dataset("digits")
+            worker.data.datasets.load_dataset("digits")
         except ImportError as exc:
             assert "pip install 'paramserver[data]'" in str(exc), exc
         else:

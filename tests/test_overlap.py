@@ -13,7 +13,7 @@ import torch
 from paramserver import ServerConfig
 from paramserver.tables import initial_rows
 from worker import Overlap, PSClient, SparseEmbedding
-from worker.trainer import TrainConfig, train
+from worker.train.trainer import TrainConfig, train
 
 Tensors = dict[str, torch.Tensor]
 

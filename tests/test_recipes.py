@@ -15,8 +15,8 @@ import torch
 from paramserver.config import ServerConfig
 from paramserver.server.cluster import LocalCluster
 from worker import PSClient
-from worker.gradients import compute_gradients
-from worker.trainer import TrainConfig, train
+from worker.train.gradients import compute_gradients
+from worker.train.trainer import TrainConfig, train
 
 
 def _model() -> torch.nn.Module:
@@ -102,7 +102,7 @@ def test_nproc_starts_that_many_workers_and_each_gets_its_rank(
 def test_tensorboard_scalars(ps_cluster_factory: Callable[..., LocalCluster], tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from worker.prepare import PrepareConfig, prepare
+    from worker.data.prepare import PrepareConfig, prepare
 
     prepare("digits", PrepareConfig(out=str(tmp_path / "data"), shards=2, progress=False))  # streamed: its waits too
     cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="sgd", lr=0.1), 2)

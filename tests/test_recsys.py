@@ -1,6 +1,6 @@
-"""Unit tests of the recsys workload's local parts (worker/recsys.py): the click logs and their planted model, the
+"""Unit tests of the recsys workload's local parts (worker/demos/recsys.py): the click logs and their planted model, the
 local model's starting rows, the batching that makes local and distributed steps see the same samples, and a
-small local training run. The distributed run needs a server: `python -m worker.recsys` is its check."""
+small local training run. The distributed run needs a server: `python -m worker.demos.recsys` is its check."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from paramserver.tables import initial_rows
-from worker import recsys
-from worker.recsys import ClickLogs, Recommender, local_batches, make_click_logs, rank_batches
+from worker.demos import recsys
+from worker.demos.recsys import ClickLogs, Recommender, local_batches, make_click_logs, rank_batches
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_distinct_ids_grow_with_the_logs() -> None:
     ratio = large.train.distinct_ids()["user"] / small.train.distinct_ids()["user"]
     assert 4 < ratio < 8
     # Extrapolated at that rate, the demo's 2.4 M impressions bring more than a million distinct users alone
-    # (1,098,373 for seed 0; python -m worker.recsys prints the count).
+    # (1,098,373 for seed 0; python -m worker.demos.recsys prints the count).
     per_doubling = ratio ** (1 / 3)
     assert large.train.distinct_ids()["user"] * per_doubling ** np.log2(2_400_000 / 400_000) > 1_000_000
 
@@ -174,7 +174,7 @@ def test_dense_weights_come_from_the_seed_alone(logs: ClickLogs, local_model: Re
 
 
 def test_distributed_model_has_the_local_dense_weights_and_specs(local_model: Recommender) -> None:
-    sparse = pytest.importorskip("worker.sparse")
+    sparse = pytest.importorskip("worker.client.sparse")
     remote = Recommender(local=False, seed=4)
     assert [spec for _, spec in [(n, m.spec(n)) for n, m in sparse.tables_of(remote)]] == local_model.specs()
     names = [name for name, _ in remote.named_parameters()]

@@ -212,7 +212,7 @@ def test_a_sync_worker_waits_past_the_pull_timeout_for_a_worker_that_joins_late(
     """Pods of one job may start minutes apart: the first worker's first round waits for the second to join,
     through pulls that the servers time out (here after 0.3 s), logging the wait, and trains on once it joins;
     no push of it is refused or lost."""
-    from worker.trainer import TrainConfig, train
+    from worker.train.trainer import TrainConfig, train
 
     config = ServerConfig(mode="sync", workers=2, optimizer="sgd", lr=0.1, pull_timeout=0.3)
     cluster = ps_cluster_factory(config, shards=2)
@@ -226,7 +226,7 @@ def test_a_sync_worker_waits_past_the_pull_timeout_for_a_worker_that_joins_late(
         return run
 
     early = threading.Thread(target=worker("early"), daemon=True)
-    with caplog.at_level(logging.WARNING, logger="worker.trainer"):
+    with caplog.at_level(logging.WARNING, logger="worker.train.trainer"):
         early.start()
         deadline = time.monotonic() + CALL_TIMEOUT
         while not cluster.servers[0].shard.policy.in_progress() and time.monotonic() < deadline:
@@ -246,7 +246,7 @@ def test_a_sync_worker_gives_up_on_a_round_after_its_round_timeout(
     ps_cluster_factory: Callable[..., LocalCluster],
 ) -> None:
     from paramserver.errors import PullTimeout
-    from worker.trainer import TrainConfig, train
+    from worker.train.trainer import TrainConfig, train
 
     config = ServerConfig(mode="sync", workers=2, optimizer="sgd", lr=0.1, pull_timeout=0.3)
     cluster = ps_cluster_factory(config, shards=1)

@@ -14,7 +14,7 @@ from torch import nn
 from paramserver.config import ServerConfig
 from paramserver.tables import initial_rows, shard_of
 from worker import PSClient, SparseEmbedding
-from worker.sparse import UniqueCache
+from worker.client.sparse import UniqueCache
 
 N, DIM, BAG_N = 64, 8, 40
 

@@ -18,14 +18,15 @@ from torch import nn
 
 from paramserver.config import ServerConfig
 from paramserver.server.cluster import LocalCluster
-from worker import PSClient, precision
+from worker import PSClient
 from worker.cli import main as worker_main
-from worker.data import Dataset, batches_in_order, load_dataset
-from worker.gradients import compute_gradients, evaluate
-from worker.losses import LossStep, resolve_loss, resolve_step
-from worker.models import build_model
-from worker.precision import LossScaler, MixedPrecision
-from worker.trainer import TrainConfig, train
+from worker.data.datasets import Dataset, batches_in_order, load_dataset
+from worker.models.builtin import build_model
+from worker.train import precision
+from worker.train.gradients import compute_gradients, evaluate
+from worker.train.losses import LossStep, resolve_loss, resolve_step
+from worker.train.precision import LossScaler, MixedPrecision
+from worker.train.trainer import TrainConfig, train
 
 CPU = torch.device("cpu")
 

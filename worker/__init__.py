@@ -5,7 +5,7 @@ training loop."""
 from __future__ import annotations
 
 from worker.client import PSClient
-from worker.overlap import Overlap
-from worker.sparse import SparseEmbedding
+from worker.client.sparse import SparseEmbedding
+from worker.train.overlap import Overlap
 
 __all__ = ["Overlap", "PSClient", "SparseEmbedding"]

@@ -13,7 +13,7 @@ from pathlib import Path
 from paramserver.config import add_arguments, from_arguments
 from paramserver.errors import PSError
 from paramserver.procs import child_env, follow_parent
-from worker.trainer import TrainConfig, train
+from worker.train.trainer import TrainConfig, train
 
 EPILOG = """\
 examples:

@@ -16,13 +16,13 @@ import numpy as np
 import torch
 
 from paramserver.placement import Placement
-from worker.sparse import SparseEmbedding, UniqueCache
+from worker.client.sparse import SparseEmbedding, UniqueCache
 
 
 class TensorDict(dict[str, torch.Tensor]):
     """A mapping of name -> tensor that names which of its entries are buffers (sent as their values, not as
     gradients), and the model's sparse tables (named by their path in it) whose rows travel with its exchanges: a
-    module's tensors as a mapping, e.g. for worker.overlap. A plain mapping holds parameters only."""
+    module's tensors as a mapping, e.g. for worker.train.overlap. A plain mapping holds parameters only."""
 
     def __init__(
         self,

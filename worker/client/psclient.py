@@ -34,8 +34,8 @@ from worker.client.binding import Binding, TensorDict, Tensors, tensors_of
 from worker.client.channels import REPLICA_KEEPALIVE, channel_options, first_contact
 from worker.client.link import Session, ShardLink
 from worker.client.rows import by_shard, row_jobs
+from worker.client.sparse import tables_of
 from worker.client.transports import INLINE_BYTES, NO_TURNS, SparseJob, TableRows, Turns
-from worker.sparse import tables_of
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ __all__ = ["INLINE_BYTES", "PSClient", "Tensors"]
 
 
 class _Rows:
-    """A registered SparseEmbedding's view of its client: lookups of its table (see worker.sparse.RowSource)."""
+    """A registered SparseEmbedding's view of its client: lookups of its table (see worker.client.sparse.RowSource)."""
 
     def __init__(self, client: PSClient, binding: Binding, table: int) -> None:
         self._client = client
@@ -137,7 +137,7 @@ class PSClient:
         self._step = 0
         self._bindings: dict[int, Binding] = {}
         # One exchange or lookup on the links at a time: a forward pass's lookup waits for an exchange that another
-        # thread runs (worker.overlap). Re-entrant: a failed exchange's caller may pull on the same thread.
+        # thread runs (worker.train.overlap). Re-entrant: a failed exchange's caller may pull on the same thread.
         self._links_busy = threading.RLock()
         self._closing = threading.Event()
         self._heartbeat: threading.Thread | None = None

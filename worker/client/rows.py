@@ -9,8 +9,8 @@ import numpy as np
 
 from paramserver.tables import shard_of
 from worker.client.binding import Binding
+from worker.client.sparse import SparseEmbedding
 from worker.client.transports import SparseJob, TableRows
-from worker.sparse import SparseEmbedding
 
 
 def by_shard(ids: np.ndarray, num_shards: int) -> list[np.ndarray | None]:

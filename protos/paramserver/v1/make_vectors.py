@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 VECTORS = HERE / "vectors.json"
 TABLE_VECTORS = HERE / "table_vectors.json"
 
-# The digits CNN as worker.models.build_model("cnn", in_shape=(1, 8, 8), num_classes=10) names its parameters
+# The digits CNN as worker.models.builtin.build_model("cnn", in_shape=(1, 8, 8), num_classes=10) names its parameters
 # (written out here so that generating the vectors needs no torch).
 DIGITS_CNN: list[tuple[str, tuple[int, ...]]] = [
     ("conv1.weight", (32, 1, 3, 3)),

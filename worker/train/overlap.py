@@ -14,7 +14,7 @@ becomes the next gradient, and this step's gradient goes out. A buffer (BatchNor
 forward pass updates in place, is copied instead: its value now goes out with the gradient, and the value the
 servers answer with is copied into it when the exchange is back.
 
-A model's sparse tables (worker.sparse.SparseEmbedding) ride along: each step's exchange pushes the gradients of
+A model's sparse tables (worker.client.sparse.SparseEmbedding) ride along: each step's exchange pushes the gradients of
 the rows its forward pass touched (set aside by `seal` on the caller's thread before the exchange starts, so the
 next forward pass cannot mix in) and fetches the rows its tables were told to `prefetch`. Prefetch two batches
 ahead: the exchange sent after step t's backward brings the rows of batch t+2, which step t+2 uses with the dense
@@ -32,7 +32,7 @@ from typing import Generic, TypeVar
 import torch
 
 from worker.client.binding import TensorDict, buffers_of
-from worker.sparse import tables_of
+from worker.client.sparse import tables_of
 
 T = TypeVar("T")
 Exchange = Callable[[dict[str, torch.Tensor]], T]

@@ -62,7 +62,7 @@ def _address_of(server: subprocess.Popen[str], timeout: float = 120.0) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; return 0 when every worker reached the target accuracy."""
-    parser = argparse.ArgumentParser(prog="python -m worker.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m worker.demos.demo", description=__doc__)
     parser.add_argument("--mode", default="sync", choices=modes.NAMES, help=f"consistency mode: {modes.describe()}")
     parser.add_argument("--shards", type=int, default=2, help="shard processes")
     parser.add_argument("--workers", type=int, default=2, help="worker processes")
@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         default="cnn",
-        help="model for ps-worker --model; 'recsys': the sparse-table demo instead (python -m worker.recsys: a "
+        help="model for ps-worker --model; 'recsys': the sparse-table demo instead (python -m worker.demos.recsys: a "
         "DLRM-style model on generated click logs, 2 shards and 2 workers in sync mode against local training)",
     )
     parser.add_argument(
@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args, extra = parser.parse_known_args(argv)
     if args.model == "recsys":
-        from worker import recsys
+        from worker.demos import recsys
 
         return recsys.main(["--port", str(args.port), *(["--no-progress"] if args.no_progress else []), *extra])
 
@@ -121,9 +121,9 @@ def _sharded_digits(
     manifest's URL and the servers' warmup-cosine schedule flags, sized to the versions the workers will make
     (with their --epochs and --batch-size among `worker_args`)."""
     from worker.cli import build_parser
-    from worker.fileserver import FileServer
-    from worker.prepare import PrepareConfig, prepare
-    from worker.stream import StreamedDataset
+    from worker.data.fileserver import FileServer
+    from worker.data.prepare import PrepareConfig, prepare
+    from worker.data.stream import StreamedDataset
 
     shards = 4 * workers
     print(f"$ ps-prepare digits --out {directory} --shards {shards}", flush=True)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from worker.stream import StreamedDataset
+    from worker.data.stream import StreamedDataset
 
 # Fixed seeds, independent of any worker's seed, so every worker sees the same data, split and shards.
 _SPLIT_SEED = 0
@@ -65,7 +65,7 @@ class Dataset:
         """Return the number of test samples."""
         return len(self.x_test)
 
-    # The training loop's view of its data, shared with worker.stream.StreamedDataset (a prepared dataset).
+    # The training loop's view of its data, shared with worker.data.stream.StreamedDataset (a prepared dataset).
 
     def samples_per_epoch(self, world: int) -> int:
         """Samples each of `world` ranks takes per epoch (its share; the remainder is dropped)."""
@@ -87,10 +87,10 @@ class Dataset:
 def open_dataset(spec: str, prefetch: int = 2) -> Dataset | StreamedDataset:
     """The dataset a --dataset value names: a prepared one (its directory, its manifest, or a URL: streamed
     shard by shard, `prefetch` shards ahead), else one `load_dataset` loads into memory."""
-    from worker.manifest import is_prepared
+    from worker.data.manifest import is_prepared
 
     if is_prepared(spec):
-        from worker.stream import StreamedDataset
+        from worker.data.stream import StreamedDataset
 
         return StreamedDataset(spec, prefetch=prefetch)
     return load_dataset(spec)

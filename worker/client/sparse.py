@@ -100,9 +100,9 @@ def prepare(ids: torch.Tensor, num_shards: int | None) -> Prepared:
 class _StepState:
     """A table's state between steps: where it reads rows, what it touched, what it prefetched.
 
-    A push may take what a table sends on another thread than the one running the next forward pass (worker.overlap
-    `seal`s it first), and hands the rows it fetched back from there: `ready` is the only part both threads write,
-    under its lock."""
+    A push may take what a table sends on another thread than the one running the next forward pass
+    (worker.train.overlap `seal`s it first), and hands the rows it fetched back from there: `ready` is the only part
+    both threads write, under its lock."""
 
     def __init__(self, source: RowSource | None = None, uniques: UniqueCache | None = None) -> None:
         self.source = source
@@ -227,7 +227,7 @@ class SparseEmbedding(nn.Module):
         """Say which IDs a coming forward pass will look up: the next `client.push_pull(model)` then fetches their
         rows in the same exchange, after its update applied (the rows of the version it pulls), and a forward pass
         on those IDs uses them instead of asking the shards again: one round trip per step instead of two. A
-        forward pass with other IDs looks them up as usual. A loop that overlaps its exchanges (worker.overlap)
+        forward pass with other IDs looks them up as usual. A loop that overlaps its exchanges (worker.train.overlap)
         prefetches two batches ahead: the exchange in flight fetches the rows of the batch after next."""
         st = self._step
         # A copy of the IDs is kept with them: the caller may reuse its tensor before the forward pass.
@@ -238,7 +238,7 @@ class SparseEmbedding(nn.Module):
 
     def seal(self) -> None:
         """Set aside what the next push sends (the touched rows' gradients, the prefetched IDs), so that a push on
-        another thread takes exactly these while this thread runs the next forward pass (worker.overlap)."""
+        another thread takes exactly these while this thread runs the next forward pass (worker.train.overlap)."""
         st = self._step
         gradients = self._summed(st.touched)
         st.touched = []

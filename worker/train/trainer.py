@@ -19,9 +19,11 @@ from paramserver.files import atomic_write
 from paramserver.security import read_token
 from paramserver.wire import dtypes
 from worker.client import PSClient, Tensors
-from worker.data import Dataset, open_dataset, steps_per_epoch
-from worker.gradients import compute_gradients, evaluate
-from worker.losses import (
+from worker.data.datasets import Dataset, open_dataset, steps_per_epoch
+from worker.data.stream import StreamedDataset
+from worker.models.builtin import BUILTIN_MODELS, build_model
+from worker.train.gradients import compute_gradients, evaluate
+from worker.train.losses import (
     LOSSES,
     LossStep,
     check_loss_spec,
@@ -30,10 +32,8 @@ from worker.losses import (
     resolve_loss,
     resolve_step,
 )
-from worker.models import BUILTIN_MODELS, build_model
-from worker.overlap import Overlap
-from worker.precision import PRECISIONS, MixedPrecision
-from worker.stream import StreamedDataset
+from worker.train.overlap import Overlap
+from worker.train.precision import PRECISIONS, MixedPrecision
 
 log = logging.getLogger(__name__)
 
@@ -463,7 +463,7 @@ def train(
             # None for a regression (and for a --train-step job): readers that print it must check.
             "test_accuracy": tested.get("test_accuracy"),
             **tested,
-            # float16: the loss scale reached, and the steps that pushed a zero gradient (see worker/precision.py).
+            # float16: the loss scale reached, and the steps that pushed a zero gradient (worker/train/precision.py).
             "loss_scale": scaler.scale if scaler is not None else None,
             "skipped_steps": scaler.skipped if scaler is not None else 0,
             "server_version": min(client.versions),
@@ -480,7 +480,7 @@ def train(
     if config.metrics_out:
         write_json(config.metrics_out, metrics)
     if config.plot:
-        from worker.plot import plot_history
+        from worker.train.plot import plot_history
 
         plot_history(
             history, config.plot, title=f"{config.model} on {data.name}, worker {metrics['rank']} ({metrics['mode']})"

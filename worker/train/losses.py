@@ -5,7 +5,7 @@ micro-batch (under autocast when the job trains in mixed precision), then does b
 and loss scaling itself; the servers only ever see the resulting gradient.
 """
 
-# Depends on torch (and worker.data's names of tasks); a user's module is imported when its spec is resolved,
+# Depends on torch (and worker.data.datasets's names of tasks); a user's module is imported when its spec is resolved,
 # never at import time.
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from worker.data import TASKS
+from worker.data.datasets import TASKS
 
 LOSSES: tuple[str, ...] = ("auto", "cross_entropy", "mse", "l1", "huber")
 

@@ -1,6 +1,6 @@
 """A DLRM-style recommendation workload: click logs from a planted model, trained locally and on 2 shards x 2 workers.
 
-`python -m worker.recsys` is the demo of the sparse tables: it generates click logs, trains the same model
+`python -m worker.demos.recsys` is the demo of the sparse tables: it generates click logs, trains the same model
 locally (torch's sparse nn.Embedding / nn.EmbeddingBag + Adagrad) and through ps-server (worker.SparseEmbedding
 tables, the servers' Adagrad), and prints the held-out AUC of both next to the ceiling: the AUC of the planted
 model's own click probabilities, which no model of the data can beat. `--local-only` trains just the local copy.
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paramserver.tables import TableSpec, initial_rows, mix64
-from worker.sparse import SparseEmbedding
+from worker.client.sparse import SparseEmbedding
 
 if TYPE_CHECKING:
     from worker.client import PSClient
@@ -565,7 +565,7 @@ TARGET_GAP = 0.01  # |distributed AUC - local AUC|
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m worker.recsys", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m worker.demos.recsys", description=__doc__.split("\n\n")[0])
     run = parser.add_mutually_exclusive_group()
     run.add_argument("--local-only", action="store_true", help="train only the local model")
     run.add_argument("--worker", action="store_true", help="be one worker of a distributed run (needs --server)")
@@ -683,7 +683,7 @@ def run_distributed(args: argparse.Namespace) -> int:
     """The demo: train locally, then ps-server with 2 shards (sync, Adagrad) and 2 worker processes on the same
     samples; print the ceiling, both AUCs, their difference and how far the distributed one got; 0 when
     |difference| <= TARGET_GAP and the distributed model is at least TARGET_FRACTION of the way to the ceiling."""
-    from worker.demo import _address_of, _stop
+    from worker.demos.demo import _address_of, _stop
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -746,10 +746,19 @@ def run_distributed(args: argparse.Namespace) -> int:
             ]
             if args.no_progress:
                 common.append("--no-progress")
-            print(f"$ python -m worker.recsys --worker --server {address} (x2)", flush=True)
+            print(f"$ python -m worker.demos.recsys --worker --server {address} (x2)", flush=True)
             start = time.perf_counter()
             for k in range(2):
-                cmd = [sys.executable, "-m", "worker.recsys", "--worker", "--server", address, "--rank-hint", str(k)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "worker.demos.recsys",
+                    "--worker",
+                    "--server",
+                    address,
+                    "--rank-hint",
+                    str(k),
+                ]
                 workers.append(subprocess.Popen([*cmd, *common]))
             codes = [w.wait() for w in workers]
             seconds = time.perf_counter() - start
@@ -779,7 +788,7 @@ def run_distributed(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """python -m worker.recsys [--local-only | --worker --server ADDR]: the demo, its local half, or one worker."""
+    """python -m worker.demos.recsys [--local-only | --worker --server ADDR]: the demo, its local half, or a worker."""
     args = _parser().parse_args(argv)
     if args.worker:
         return run_worker(args)

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from paramserver.config import add_arguments, config_field, from_arguments
-from worker import storage
-from worker.manifest import MANIFEST, TASKS, Manifest, ShardFile, Split
+from worker.data import storage
+from worker.data.manifest import MANIFEST, TASKS, Manifest, ShardFile, Split
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def read_source(source: str, config: PrepareConfig, scratch: Path) -> Arrays:
         return _table(source, config)
     if "://" not in source and Path(source).is_dir():
         return _image_folder(Path(source), config, scratch)
-    from worker.data import load_dataset
+    from worker.data.datasets import load_dataset
 
     data = load_dataset(source)
     task = getattr(data, "task", "classification")

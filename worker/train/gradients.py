@@ -1,5 +1,5 @@
-"""A batch's gradient and a test split's metrics: the job's step function (worker/losses.py) run per micro-batch
-under its precision (worker/precision.py), then backward, loss scaling and clipping; the same step evaluated."""
+"""A batch's gradient and a test split's metrics: the job's step function (worker/train/losses.py) run per micro-batch
+under its precision (worker/train/precision.py), then backward, loss scaling and clipping; the same step evaluated."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from worker.data import batches_in_order
-from worker.losses import LossStep, Step, mean_loss, resolve_loss
-from worker.precision import MixedPrecision
+from worker.data.datasets import batches_in_order
+from worker.train.losses import LossStep, Step, mean_loss, resolve_loss
+from worker.train.precision import MixedPrecision
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def compute_gradients(
 
     `step(model, x, y)` gives a micro-batch's mean loss (losses.LossStep: a loss on model(x)). With `precision`, it
     runs under autocast, and with its loss scaler the gradient is unscaled before clipping: a float32 gradient
-    without Inf or NaN, recomputed at a lower scale where the scaled one overflowed (see worker/precision.py; only
+    without Inf or NaN, recomputed at a lower scale where the scaled one overflowed (see worker/train/precision.py; only
     a non-finite loss, or an overflow at the lowest scale, leaves a zero gradient instead)."""
     scaler = precision.scaler if precision is not None else None
     # A step computed again must leave the buffers (BatchNorm's running statistics) as one step does.

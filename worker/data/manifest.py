@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worker import storage
+from worker.data import storage
 
 FORMAT = "paramserver-shards"
 VERSION = 1

@@ -1,4 +1,4 @@
-"""Stream a prepared dataset (see worker/manifest.py) into a worker: the shards of its rank, in an order shuffled
+"""Stream a prepared dataset (see worker/data/manifest.py) into a worker: the shards of its rank, in an order shuffled
 per epoch, fetched and decoded ahead of the step by a background thread, with memory bounded by the prefetch depth
 rather than by the dataset.
 
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker import storage
-from worker.manifest import Manifest, ShardFile, load_manifest
+from worker.data import storage
+from worker.data.manifest import Manifest, ShardFile, load_manifest
 
 
 @dataclass(frozen=True)

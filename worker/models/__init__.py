@@ -1,0 +1,1 @@
+"""Model architectures: the built-in models ps-worker builds by name."""
