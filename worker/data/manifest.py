@@ -7,6 +7,12 @@ can be copied or served from anywhere. It is written last: a dataset whose manif
 The shards are Parquet files with three columns: `id` (int64, the sample's index within its split, so a reader's
 coverage can be checked), `x` (fixed-size list of float32: one sample flattened; `in_shape` restores it) and `y`
 (int64 class labels, or float32 targets, a fixed-size list when a target has several values).
+
+A dataset with categorical features (click logs: `ps-prepare --format criteo`, or a table with `--categorical`) has
+a `schema`: `x` then holds its dense features (`schema.dense`, in that order; `in_shape` is `[len(dense)]`), `y` the
+int64 0/1 label (a classification of 2 classes), and each categorical feature is one more column, `cat_<name>`:
+int64 IDs, or a list of int64 IDs for a multi-hot feature (a bag). IDs are raw (no vocabulary): a missing value is
+`MISSING_ID`, the same in every column.
 """
 
 from __future__ import annotations
@@ -44,6 +50,35 @@ class Split:
     shards: tuple[ShardFile, ...]
 
 
+MISSING_ID = -(2**63)  # the ID of a missing categorical value, in every column (an ID of its own per table)
+CATEGORICAL_PREFIX = "cat_"  # a categorical feature's Parquet column is this prefix and its name
+
+
+@dataclass(frozen=True)
+class Categorical:
+    """One categorical feature of a schema."""
+
+    name: str
+    multi_hot: bool = False  # a bag of IDs per sample (a Parquet list column), else one ID
+    distinct: int = 0  # distinct IDs seen in the training split (0: not counted)
+    distinct_exact: bool = True  # whether `distinct` is exact or an estimate (a sketch's)
+
+    @property
+    def column(self) -> str:
+        return CATEGORICAL_PREFIX + self.name
+
+
+@dataclass(frozen=True)
+class Schema:
+    """The features of a dataset with categorical columns: the dense ones (the `x` column, in this order, after
+    `dense_transform`: "log1p" is log(1 + max(x, 0)) as DLRM's Criteo preprocessing, "none" as read) and the
+    categorical ones."""
+
+    dense: tuple[str, ...]
+    categorical: tuple[Categorical, ...]
+    dense_transform: str = "none"
+
+
 @dataclass(frozen=True)
 class Manifest:
     """What a prepared dataset holds; `base` is the URL of the directory it was read from (not stored)."""
@@ -56,6 +91,7 @@ class Manifest:
     normalization: dict[str, Any] = field(default_factory=dict)  # {"axis": ..., "mean": [...], "std": [...]}
     source: str = ""
     classes: tuple[str, ...] = ()  # class names, where the source named them (image folders, string labels)
+    schema: Schema | None = None  # the features of a dataset with categorical columns (click logs); else None
     base: str = ""
 
     def url(self, shard: ShardFile) -> str:
@@ -70,6 +106,8 @@ class Manifest:
     def to_json(self) -> str:
         doc = {"format": FORMAT, "version": VERSION, **asdict(self)}
         del doc["base"]
+        if doc["schema"] is None:
+            del doc["schema"]  # the manifests of datasets without categorical columns stay as they were
         return json.dumps(doc, indent=2) + "\n"
 
 
@@ -124,6 +162,7 @@ def parse(doc: Any, *, base: str, where: str) -> Manifest:
             normalization=dict(doc.get("normalization") or {}),
             source=str(doc.get("source", "")),
             classes=tuple(str(c) for c in doc.get("classes") or ()),
+            schema=_schema(doc["schema"]) if doc.get("schema") is not None else None,
             base=base,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -137,6 +176,32 @@ def parse(doc: Any, *, base: str, where: str) -> Manifest:
             raise fail(f"the {name} shards' sample counts do not add up to {split.samples}")
         if any(f.samples < 1 or ".." in f.path.split("/") or f.path.startswith("/") for f in split.shards):
             raise fail(f"a {name} shard is empty or lies outside the dataset's directory")
-    if not manifest.in_shape or min(manifest.in_shape) < 1 or manifest.num_classes < 1:
+    if manifest.schema is not None:
+        schema = manifest.schema
+        if manifest.in_shape != (len(schema.dense),) or manifest.task != "classification":
+            raise fail(f"a schema of {len(schema.dense)} dense features with samples of shape {manifest.in_shape}")
+        names = [c.name for c in schema.categorical]
+        if not names or len(set(names)) != len(names) or schema.dense_transform not in DENSE_TRANSFORMS:
+            raise fail("a schema needs categorical features of distinct names and a known dense transform")
+    elif not manifest.in_shape or min(manifest.in_shape) < 1 or manifest.num_classes < 1:
         raise fail(f"sample shape {manifest.in_shape} or {manifest.num_classes} outputs")
     return manifest
+
+
+DENSE_TRANSFORMS = ("none", "log1p")
+
+
+def _schema(doc: Any) -> Schema:
+    return Schema(
+        dense=tuple(str(d) for d in doc["dense"]),
+        categorical=tuple(
+            Categorical(
+                str(c["name"]),
+                bool(c.get("multi_hot", False)),
+                int(c.get("distinct", 0)),
+                bool(c.get("distinct_exact", True)),
+            )
+            for c in doc["categorical"]
+        ),
+        dense_transform=str(doc.get("dense_transform", "none")),
+    )
