@@ -79,10 +79,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ps-worker: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     tested = metrics["test_accuracy"]  # None for a regression or a --train-step job: their test loss instead
+    if "test_auc" in metrics:  # a click model
+        result = f"test AUC {metrics['test_auc']:.4f}, test log loss {metrics['test_logloss']:.4f}"
+    else:
+        result = f"test accuracy {tested:.4f}" if tested is not None else f"test loss {metrics['test_loss']:.4f}"
     print(
         f"worker {metrics['rank']}: {metrics['steps']} steps, {metrics['samples_per_second']:.0f} samples/s, "
-        f"final loss {metrics['final_loss']:.4f}, "
-        + (f"test accuracy {tested:.4f}" if tested is not None else f"test loss {metrics['test_loss']:.4f}"),
+        f"final loss {metrics['final_loss']:.4f}, {result}",
         flush=True,
     )
     return 0

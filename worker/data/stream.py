@@ -22,7 +22,10 @@ import numpy as np
 import torch
 
 from worker.data import storage
-from worker.data.manifest import Manifest, ShardFile, load_manifest
+from worker.data.features import Features, features_of
+from worker.data.manifest import Manifest, Schema, ShardFile, load_manifest
+
+Batch = torch.Tensor | Features  # a batch's x: Features for a dataset with categorical features
 
 
 @dataclass(frozen=True)
@@ -105,14 +108,14 @@ class StreamedDataset:
 
     def batches(
         self, rank: int, world: int, batch_size: int, *, seed: int, epoch: int, start: int = 0
-    ) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+    ) -> Generator[tuple[Batch, torch.Tensor], None, None]:
         """(x, y) batches of this rank's samples of `epoch` from sample `start` on; the epoch's last batch may be
         short. Close the generator to stop its prefetch early."""
         return self._pairs(self.batches_with_ids(rank, world, batch_size, seed=seed, epoch=epoch, start=start))
 
     def batches_with_ids(
         self, rank: int, world: int, batch_size: int, *, seed: int, epoch: int, start: int = 0
-    ) -> Generator[tuple[torch.Tensor, torch.Tensor, torch.Tensor], None, None]:
+    ) -> Generator[tuple[Batch, torch.Tensor, torch.Tensor], None, None]:
         """As `batches`, with each sample's id (its index in the split) after x and y."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -132,7 +135,7 @@ class StreamedDataset:
             reader = self._reader = _Reader(self, key, epochs())
         return self._batches(reader, epoch, batch_size)
 
-    def test_batches(self, batch_size: int = 1024) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+    def test_batches(self, batch_size: int = 1024) -> Generator[tuple[Batch, torch.Tensor], None, None]:
         """(x, y) batches of the whole test split, in order (read ahead on a reader of their own)."""
         test = self.manifest.splits.get("test")
         parts: list[tuple[int, Part | None]] = [(0, Part(s, np.arange(s.samples))) for s in test.shards] if test else []
@@ -153,15 +156,15 @@ class StreamedDataset:
 
     @staticmethod
     def _pairs(
-        batches: Generator[tuple[torch.Tensor, torch.Tensor, torch.Tensor], None, None],
-    ) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+        batches: Generator[tuple[Batch, torch.Tensor, torch.Tensor], None, None],
+    ) -> Generator[tuple[Batch, torch.Tensor], None, None]:
         with contextlib.closing(batches):
             for x, y, _ in batches:
                 yield x, y
 
     def _batches(
         self, reader: _Reader, epoch: int, batch_size: int, own: bool = False
-    ) -> Generator[tuple[torch.Tensor, torch.Tensor, torch.Tensor], None, None]:
+    ) -> Generator[tuple[Batch, torch.Tensor, torch.Tensor], None, None]:
         """Batches of `epoch`'s parts as the reader brings them, up to the epoch's end; `own`: stop the reader
         then."""
         pending: list[tuple[np.ndarray, ...]] = []
@@ -174,16 +177,17 @@ class StreamedDataset:
                 while held >= batch_size:
                     batch, pending = _take(pending, batch_size)
                     held -= batch_size
-                    yield _tensors(batch)
+                    yield _tensors(batch, self.manifest.schema)
             reader.next_epoch = epoch + 1
             if held:
-                yield _tensors(_take(pending, held)[0])
+                yield _tensors(_take(pending, held)[0], self.manifest.schema)
         finally:
             if own:
                 reader.stop()
 
-    def read(self, part: Part) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One shard's (x, y, id) rows in the part's order, checked against the manifest."""
+    def read(self, part: Part) -> tuple[np.ndarray, ...]:
+        """One shard's (x, y, id, then each categorical feature's IDs) rows in the part's order, checked against
+        the manifest."""
         url = self.manifest.url(part.shard)
         data = storage.read_bytes(url)
         digest = hashlib.sha256(data).hexdigest()
@@ -192,22 +196,30 @@ class StreamedDataset:
                 f"{url} is damaged or was replaced: {len(data)} bytes with SHA-256 {digest[:16]}, the manifest says "
                 f"{part.shard.bytes} bytes with {part.shard.sha256[:16]} (copy it again, or prepare the dataset again)"
             )
-        x, y, ident = decode(data, self.manifest, url)
+        x, y, ident, *categorical = decode(data, self.manifest, url)
         if len(ident) != part.shard.samples:
             raise ValueError(f"{url} holds {len(ident)} samples, the manifest says {part.shard.samples}")
-        return x[part.order], y[part.order], ident[part.order]
+        return tuple(column[part.order] for column in (x, y, ident, *categorical))
 
 
-def decode(data: bytes, manifest: Manifest, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A shard's Parquet bytes as numpy (x shaped by the manifest, y, id)."""
+def decode(data: bytes, manifest: Manifest, where: str) -> tuple[np.ndarray, ...]:
+    """A shard's Parquet bytes as numpy: x shaped by the manifest, y, id, then each categorical feature of its schema
+    (int64 IDs, or an object array of int64 bags for a multi-hot one)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    features = manifest.schema.categorical if manifest.schema is not None else ()
     try:
         table = pq.read_table(pa.BufferReader(data))
         x = table.column("x").combine_chunks().flatten().to_numpy()
         y_column = table.column("y").combine_chunks()
         ident = table.column("id").to_numpy()
+        categorical = [
+            table.column(f.column).combine_chunks().to_numpy(zero_copy_only=False)
+            if f.multi_hot
+            else table.column(f.column).to_numpy()
+            for f in features
+        ]
     except (pa.ArrowException, KeyError) as exc:
         raise ValueError(f"{where} is not a shard of this format: {exc}") from None
     n = len(ident)
@@ -217,7 +229,10 @@ def decode(data: bytes, manifest: Manifest, where: str) -> tuple[np.ndarray, np.
         y = y_column.flatten().to_numpy().reshape(n, -1)
     else:
         y = y_column.to_numpy()
-    return x.reshape(n, *manifest.in_shape), y, ident
+    for f, column in zip(features, categorical, strict=True):
+        if len(column) != n or (column.dtype != object and column.dtype != np.int64):
+            raise ValueError(f"{where}: column {f.column} holds {len(column)} {column.dtype} values for {n} samples")
+    return (x.reshape(n, *manifest.in_shape), y, ident, *categorical)
 
 
 def _take(pending: list[tuple[np.ndarray, ...]], n: int) -> tuple[list[tuple[np.ndarray, ...]], list]:
@@ -238,13 +253,15 @@ def _take(pending: list[tuple[np.ndarray, ...]], n: int) -> tuple[list[tuple[np.
     return out, rest
 
 
-def _tensors(pieces: list[tuple[np.ndarray, ...]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x, y, ident = (np.concatenate(c) if len(c) > 1 else c[0] for c in zip(*pieces, strict=True))
-    return (
-        torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
-        torch.from_numpy(np.ascontiguousarray(y)),
-        torch.from_numpy(np.ascontiguousarray(ident)),
-    )
+def _tensors(pieces: list[tuple[np.ndarray, ...]], schema: Schema | None) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+    """One batch from its pieces: (x, y, id), x as Features for a dataset with categorical features."""
+    x, y, ident, *categorical = (np.concatenate(c) if len(c) > 1 else c[0] for c in zip(*pieces, strict=True))
+    features: Batch
+    if schema is None:
+        features = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    else:
+        features = features_of(x, {f.name: column for f, column in zip(schema.categorical, categorical, strict=True)})
+    return features, torch.from_numpy(np.ascontiguousarray(y)), torch.from_numpy(np.ascontiguousarray(ident))
 
 
 class _Reader:

@@ -41,6 +41,7 @@ from torch import nn
 
 from paramserver.tables import TableSpec, initial_rows, mix64
 from worker.client.sparse import SparseEmbedding
+from worker.models.clicks import mlp
 
 if TYPE_CHECKING:
     from worker.client import PSClient
@@ -324,15 +325,6 @@ def tables(seed: int) -> tuple[Table, ...]:
     )
 
 
-def _mlp(sizes: Sequence[int], *, last_relu: bool) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
-        layers.append(nn.Linear(a, b))
-        if last_relu or i < len(sizes) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
-
-
 class _LocalTable(nn.Module):
     """A table of the local model: torch's sparse nn.Embedding / nn.EmbeddingBag holding exactly the rows the
     distributed table starts with; an unbounded table keeps one row per ID of `vocab` (sorted raw IDs) and
@@ -395,9 +387,9 @@ class Recommender(nn.Module):
         # The dense layers first, from their own seed, without disturbing the caller's RNG.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.bottom = _mlp([NUM_DENSE, 64, dim], last_relu=True)
+            self.bottom = mlp([NUM_DENSE, 64, dim], last_relu=True)
             vectors = 1 + len(self.table_defs)
-            self.top = _mlp([vectors * dim + vectors * (vectors - 1) // 2, 128, 64, 1], last_relu=False)
+            self.top = mlp([vectors * dim + vectors * (vectors - 1) // 2, 128, 64, 1], last_relu=False)
         for table in self.table_defs:
             module: nn.Module
             if local:

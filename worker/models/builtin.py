@@ -127,6 +127,15 @@ def resnet(*, in_shape: tuple[int, ...], num_classes: int, width: int = 16) -> n
 
 
 def _from_factory(spec: str, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    factory = factory_of(spec)
+    model = factory(in_shape=in_shape, num_classes=num_classes) if _takes_shape_kwargs(factory) else factory()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model factory {spec} returned {type(model).__name__}, expected a torch.nn.Module")
+    return model
+
+
+def factory_of(spec: str) -> Callable[..., object]:
+    """The model factory `spec` names as package.module:factory, imported now; ValueError/TypeError saying why not."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"bad model spec {spec!r}: expected {_ACCEPTED}")
@@ -142,10 +151,7 @@ def _from_factory(spec: str, in_shape: tuple[int, ...], num_classes: int) -> nn.
     # A ready-made instance would be shared by reference and not rebuilt from the worker's seed.
     if isinstance(factory, nn.Module) or not callable(factory):
         raise TypeError(f"{spec} must be a callable that returns an nn.Module, got {type(factory).__name__}")
-    model = factory(in_shape=in_shape, num_classes=num_classes) if _takes_shape_kwargs(factory) else factory()
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model factory {spec} returned {type(model).__name__}, expected a torch.nn.Module")
-    return model
+    return factory
 
 
 def _takes_shape_kwargs(factory: Callable[..., object]) -> bool:

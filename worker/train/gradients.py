@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from worker.data.datasets import batches_in_order
-from worker.train.losses import LossStep, Step, mean_loss, resolve_loss
+from worker.data.stream import Batch
+from worker.train.losses import LossStep, Step, binary_logits, mean_loss, resolve_loss
+from worker.train.metrics import auc
 from worker.train.precision import MixedPrecision
 
 log = logging.getLogger(__name__)
@@ -20,7 +23,7 @@ log = logging.getLogger(__name__)
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    batches: Iterable[tuple[Batch, torch.Tensor]],
     device: torch.device,
     *,
     task: str = "classification",
@@ -37,13 +40,19 @@ def evaluate(
     training = model.training
     model.eval()
     samples, correct, loss_sum, squares, targets = 0, 0, 0.0, 0.0, 0
+    labels, scores = [], []  # a binary model's (one logit per sample): for the AUC
     try:
         for xb, yb in batches:
             xb, yb = xb.to(device), yb.to(device)
             if isinstance(step, LossStep):
                 outputs = model(xb)
                 loss = step.on_outputs(outputs, yb)
-                if task == "classification":
+                logits = binary_logits(outputs) if task == "classification" else None
+                if logits is not None:
+                    correct += int(((logits > 0).long() == yb).sum())
+                    labels.append(yb.cpu().numpy())
+                    scores.append(logits.float().cpu().numpy())
+                elif task == "classification":
                     correct += int((outputs.argmax(1) == yb).sum())
                 else:
                     predicted = outputs.float().reshape(yb.shape) if outputs.numel() == yb.numel() else None
@@ -59,6 +68,9 @@ def evaluate(
     metrics = {"test_loss": loss_sum / samples if samples else math.nan}
     if isinstance(step, LossStep) and task == "classification":
         metrics["test_accuracy"] = correct / max(1, samples)
+    if labels:  # a click model: the AUC, and its loss (the BCE's mean) under the name recommendation jobs use
+        metrics["test_auc"] = auc(np.concatenate(labels), np.concatenate(scores))
+        metrics["test_logloss"] = metrics["test_loss"]
     elif isinstance(step, LossStep) and targets:
         metrics["test_mse"] = squares / targets
     return metrics
@@ -76,7 +88,7 @@ _CROSS_ENTROPY = LossStep(F.cross_entropy)
 
 def compute_gradients(
     model: torch.nn.Module,
-    xb: torch.Tensor,
+    xb: Batch,
     yb: torch.Tensor,
     accumulate: int = 1,
     clip_grad_norm: float | None = None,
@@ -129,7 +141,7 @@ def compute_gradients(
 
 def _backward(
     model: torch.nn.Module,
-    xb: torch.Tensor,
+    xb: Batch,
     yb: torch.Tensor,
     accumulate: int,
     step: Step,
@@ -140,7 +152,8 @@ def _backward(
     scaler = precision.scaler if precision is not None else None
     named = _named(step)
     total = 0.0
-    for xm, ym in zip(torch.chunk(xb, accumulate), torch.chunk(yb, accumulate), strict=True):
+    parts: Sequence[Batch] = xb.chunk(accumulate)
+    for xm, ym in zip(parts, yb.chunk(accumulate), strict=True):
         if precision is None:
             raw = step(model, xm, ym)
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,12 +20,13 @@ from torch import Tensor, nn
 
 from worker.data.datasets import TASKS
 
-LOSSES: tuple[str, ...] = ("auto", "cross_entropy", "mse", "l1", "huber")
+LOSSES: tuple[str, ...] = ("auto", "cross_entropy", "bce", "mse", "l1", "huber")
 
 Loss = Callable[[Tensor, Tensor], Tensor]
 """fn(outputs, targets) -> the batch's mean loss, a scalar tensor."""
-Step = Callable[[nn.Module, Tensor, Tensor], Tensor]
-"""fn(model, x, y) -> the batch's mean loss, a scalar tensor, computed from the model's forward pass."""
+Step = Callable[[nn.Module, Any, Tensor], Tensor]
+"""fn(model, x, y) -> the batch's mean loss, a scalar tensor, computed from the model's forward pass (x: a tensor,
+or worker.data.features.Features for a dataset with categorical features)."""
 
 _ACCEPTED = f"one of {', '.join(LOSSES)}, or 'package.module:fn' (fn(outputs, targets) -> mean loss)"
 _STEP_ACCEPTED = "'package.module:fn' (fn(model, x, y) -> mean loss)"
@@ -53,8 +55,31 @@ def _regression(name: str, fn: Loss) -> Loss:
     return loss
 
 
+def binary_logits(outputs: Tensor) -> Tensor | None:
+    """A binary model's outputs as one logit per sample ([N] from [N] or [N, 1]); None for other outputs."""
+    if outputs.ndim == 1:
+        return outputs
+    if outputs.ndim == 2 and outputs.shape[1] == 1:
+        return outputs.squeeze(1)
+    return None
+
+
+def _bce(outputs: Tensor, targets: Tensor) -> Tensor:
+    logits = binary_logits(outputs)
+    if logits is None or logits.shape != targets.shape:
+        raise ValueError(
+            f"--loss bce takes one logit per sample (outputs of shape (N,) or (N, 1)), got {tuple(outputs.shape)} "
+            f"for {tuple(targets.shape)} labels"
+        )
+    return F.binary_cross_entropy_with_logits(logits, targets.to(logits.dtype))
+
+
+_bce.__name__ = "bce"
+
 _BUILTIN: dict[str, tuple[str, Loss]] = {
     "cross_entropy": ("classification", F.cross_entropy),
+    # Binary classification (clicks) with one logit per sample, the labels 0 or 1: the log loss.
+    "bce": ("classification", _bce),
     "mse": ("regression", _regression("mse", F.mse_loss)),
     "l1": ("regression", _regression("l1", F.l1_loss)),
     "huber": ("regression", _regression("huber", F.huber_loss)),
@@ -106,7 +131,7 @@ class LossStep:
     def __init__(self, loss: Loss) -> None:
         self.loss = loss
 
-    def __call__(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    def __call__(self, model: nn.Module, x: Any, y: Tensor) -> Tensor:
         return self.on_outputs(model(x), y)
 
     def on_outputs(self, outputs: Tensor, y: Tensor) -> Tensor:
