@@ -183,3 +183,42 @@ def test_the_auc_equals_the_rank_sum_definition_with_ties() -> None:
     expected = sum(1.0 if p > q else 0.5 if p == q else 0.0 for p, q in pairs) / len(pairs)
     assert auc(labels, scores) == pytest.approx(expected)
     assert auc(np.ones(3), np.arange(3.0)) == 0.5
+
+
+def test_recipes_reach_the_tables_rows_accumulation_clipping_and_float16_scaling(tmp_path: Path) -> None:
+    """compute_gradients treats the touched rows as parameters: micro-batches give the whole batch's row gradients,
+    clipping counts and scales them, and float16's loss scaling unscales them."""
+    from worker import PSClient
+    from worker.client.sparse import tables_of, touched_rows
+    from worker.models.clicks import DLRM, TableOptions
+    from worker.train.gradients import compute_gradients
+    from worker.train.losses import LossStep, resolve_loss
+    from worker.train.precision import MixedPrecision
+
+    with StreamedDataset(str(write_clicks(tmp_path / "clicks"))) as data:
+        xb, yb = next(iter(data.batches(0, 1, 48, seed=0, epoch=0)))
+    step = LossStep(resolve_loss("bce", "classification"))
+    config = ServerConfig(mode="async", workers=1, optimizer="sgd", lr=0.1)
+    with LocalCluster(config, shards=2) as cluster, PSClient(cluster.address) as client:
+        torch.manual_seed(0)
+        model = DLRM(SCHEMA, TableOptions(dim=4))
+        client.register(model)
+
+        def grads(**kwargs: object) -> list[torch.Tensor]:
+            compute_gradients(model, xb, yb, step=step, **kwargs)  # type: ignore[arg-type]
+            dense = [p.grad.clone() for p in model.parameters()]
+            # Each table's rows' gradients summed over its forward passes (one leaf per micro-batch).
+            return dense + [sum(r.grad.sum(0) for r in touched_rows(table)) for _, table in tables_of(model)]
+
+        whole = grads()
+        assert len(touched_rows(model)) == 4  # a step computed again forgets the last one's rows
+        for got, want in zip(grads(accumulate=3), whole, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        compute_gradients(model, xb, yb, step=step, clip_grad_norm=1e-3)
+        every = [*model.parameters(), *touched_rows(model)]
+        assert torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.grad) for t in every])) == (
+            pytest.approx(1e-3, rel=1e-4)
+        )
+        scaled = grads(precision=MixedPrecision.for_device("float16", torch.device("cpu")))
+        for got, want in zip(scaled, whole, strict=True):  # unscaled: close to float32's, not 2^16 times it
+            torch.testing.assert_close(got, want, rtol=0.05, atol=1e-3)

@@ -98,3 +98,40 @@ def test_a_sync_job_with_a_schedule_equals_local_training_with_torchs_scheduler(
             scheduler.step()
     for served, ours in zip(model.parameters(), local.parameters(), strict=True):
         assert torch.allclose(served, ours, atol=1e-5), float((served - ours).abs().max())
+
+
+def test_the_schedule_scales_the_tables_rates_as_torchs_scheduler_scales_a_sparse_optimizer(
+    ps_cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    """A table's rows follow the job's schedule: sync training with a SparseEmbedding (Adagrad) under a warmup and a
+    step schedule equals nn.Embedding(sparse=True) with torch's Adagrad and torch's scheduler."""
+    import numpy as np
+
+    from paramserver.tables import initial_rows
+    from worker import SparseEmbedding
+
+    settings: dict[str, Any] = {"lr_schedule": "step", "step_every": 4, "gamma": 0.5, "warmup_versions": 3}
+    config = ServerConfig(mode="sync", workers=1, optimizer="adagrad", lr=0.2, **settings)
+    cluster = ps_cluster_factory(config, 2)
+    table = SparseEmbedding(4, num_embeddings=20, seed=3)
+    model = torch.nn.Module()
+    model.table = table
+    model.bias = torch.nn.Parameter(torch.zeros(1))  # a model has dense parameters; this one's gradient is 0
+    local = torch.nn.Embedding(20, 4, sparse=True)
+    with torch.no_grad():
+        local.weight.copy_(torch.from_numpy(initial_rows(table.spec("table"), np.arange(20))))
+    opt = torch.optim.Adagrad(local.parameters(), lr=config.lr)
+    scheduler = torch_scheduler(opt, config)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 20, (12,), generator=gen) for _ in range(14)]
+    with PSClient(cluster.address) as client:
+        client.register(model)
+        for ids in batches:
+            (table(ids).square().sum() + 0 * model.bias.sum()).backward()
+            client.push_pull(model)
+            opt.zero_grad()
+            local(ids).square().sum().backward()
+            opt.step()
+            scheduler.step()
+        rows = torch.from_numpy(client.lookup(model, 0, np.arange(20)))
+    torch.testing.assert_close(rows, local.weight.detach(), rtol=0, atol=1e-5)

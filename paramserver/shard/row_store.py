@@ -22,7 +22,7 @@ import torch
 
 from paramserver.shard.id_hash import DirectIndex, IdHash
 from paramserver.shard.row_optimizers import row_optimizer
-from paramserver.shard.table_state import checked_state
+from paramserver.shard.table_state import checked_state, state_bytes
 from paramserver.tables import Initialiser, TableSpec, as_ids
 
 _STEP_CHUNK_ELEMENTS = 1 << 22  # floats per gathered chunk in an optimizer step (16 MiB a temporary)
@@ -47,6 +47,7 @@ class RowGroup:
         self.dim = self.specs[0].dim
         self.optimizer = row_optimizer(optimizer)
         self.lr = float(lr)
+        self._rate = self.lr
         self.state_cols = self.optimizer.state_cols(self.dim)
         count = len(self.specs)
         self.tagged = count > 1
@@ -168,8 +169,10 @@ class RowGroup:
         version: int,
         now: float,
         tags: np.ndarray | None = None,
+        lr_factor: float = 1.0,
     ) -> None:
-        """Apply one update: the gradients of these unique (tag, ID) pairs, float32 [n, dim], summed per pair.
+        """Apply one update: the gradients of these unique (tag, ID) pairs, float32 [n, dim], summed per pair, at the
+        group's rate times `lr_factor` (the job's schedule).
 
         IDs without a row go through admission first (the rest of their gradient is dropped); then one optimizer
         step on every row the IDs now have, which become this version's and this time's; then eviction.
@@ -183,6 +186,7 @@ class RowGroup:
             raise ValueError(f"rows of dim {self.dim}: gradients of shape {tuple(g.shape)} for {len(ids)} IDs")
         self.steps += 1
         self.ids_seen += self._per_table(tags, len(ids))
+        self._rate = self.lr * lr_factor  # this update's (_step_at's)
         slots = self._index.get(ids, tags)
         if self._ages:
             # A row too old to be kept is re-made as a new one even when no sweep has dropped it yet, so that what
@@ -232,7 +236,7 @@ class RowGroup:
             s = torch.from_numpy(slots[begin : begin + chunk])
             values = self._values.index_select(0, s)
             state = self._state.index_select(0, s)
-            self.optimizer.step(values, state, grads[begin : begin + chunk], self.lr, step)
+            self.optimizer.step(values, state, grads[begin : begin + chunk], self._rate, step)
             self._values.index_copy_(0, s, values)
             if self.state_cols:
                 self._state.index_copy_(0, s, state)
@@ -473,14 +477,8 @@ class RowGroup:
         self._counts.insert(count_ids, a["counts"], np.full(len(count_ids), tag, np.int32) if self.tagged else None)
 
     def state_bytes(self, tag: int = 0) -> bytes:
-        """Table `tag`'s logical state (state()) as one deterministic byte string: equal exactly when the states
-        are."""
-        parts = []
-        for key, arr in sorted(self.state(tag).items()):
-            arr = np.ascontiguousarray(arr)
-            parts.append(f"{key}:{arr.dtype.str}:{arr.shape};".encode())
-            parts.append(arr.tobytes())
-        return b"".join(parts)
+        """Table `tag`'s logical state (state()) as one deterministic byte string (table_state.state_bytes)."""
+        return state_bytes(self.state(tag))
 
 
 class RowTable(RowGroup):

@@ -353,10 +353,14 @@ class ShardTables:
         """Apply one update's row gradients (each block's IDs unique), then evict what the tables' policies and
         the memory cap say. `wall`: when the update first applied (time.time(); a replay's), else now."""
         now = time.monotonic() if wall is None else wall - (time.time() - time.monotonic())
+        # The job's learning-rate schedule scales every table's rate as it scales the dense one's (a function of the
+        # version, so a replay applies the same rates).
+        config = self.config
+        factor = config.lr_at(version) / config.lr if config.lr > 0 else 1.0
         touched = set()
         for batch in self._batches(blocks):
             assert batch.values is not None
-            self.groups[batch.group].apply(batch.ids, batch.values, version, now, batch.tags)
+            self.groups[batch.group].apply(batch.ids, batch.values, version, now, batch.tags, factor)
             touched.add(batch.group)
         for g, group in enumerate(self.groups):
             if g not in touched:

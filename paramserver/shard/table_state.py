@@ -42,3 +42,14 @@ def checked_state(spec: TableSpec, state_cols: int, state: dict[str, np.ndarray]
     if a["step"][0] < 0:
         raise ValueError(f"table {spec.name!r}: state step is negative")
     return a
+
+
+def state_bytes(state: dict[str, np.ndarray]) -> bytes:
+    """A table's logical state (RowGroup.state()) as one deterministic byte string: equal exactly when the states
+    are."""
+    parts = []
+    for key, arr in sorted(state.items()):
+        arr = np.ascontiguousarray(arr)
+        parts.append(f"{key}:{arr.dtype.str}:{arr.shape};".encode())
+        parts.append(arr.tobytes())
+    return b"".join(parts)

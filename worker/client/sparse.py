@@ -360,3 +360,15 @@ class SparseEmbedding(nn.Module):
 def tables_of(module: nn.Module) -> list[tuple[str, SparseEmbedding]]:
     """A module's sparse tables, named by their path in it, in named_modules() order."""
     return [(name, m) for name, m in module.named_modules() if isinstance(m, SparseEmbedding)]
+
+
+def touched_rows(module: nn.Module) -> list[torch.Tensor]:
+    """The rows a module's tables gathered since the last push, as the leaf tensors backward fills: their gradients
+    are the model's too, for clipping and loss scaling (worker.train.gradients)."""
+    return [rows for _, table in tables_of(module) for _, rows, _ in table._step.touched]
+
+
+def forget_touched(module: nn.Module) -> None:
+    """Drop what a module's tables gathered since the last push (a step computed again starts afresh)."""
+    for _, table in tables_of(module):
+        table._step.touched = []

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from worker.client.sparse import forget_touched, touched_rows
 from worker.data.datasets import batches_in_order
 from worker.data.stream import Batch
 from worker.train.losses import LossStep, Step, binary_logits, mean_loss, resolve_loss
@@ -96,9 +97,10 @@ def compute_gradients(
     step: Step = _CROSS_ENTROPY,
     precision: MixedPrecision | None = None,
 ) -> float:
-    """Leave the gradient of the batch's mean loss on the model's parameters, computed over `accumulate`
-    micro-batches (each loss weighted by its share of the batch, so the sum is the whole batch's gradient), then
-    clipped to `clip_grad_norm` over the whole model as torch.nn.utils.clip_grad_norm_ does; return the loss.
+    """Leave the gradient of the batch's mean loss on the model's parameters (and its tables' touched rows),
+    computed over `accumulate` micro-batches (each loss weighted by its share of the batch, so the sum is the whole
+    batch's gradient), then clipped to `clip_grad_norm` over the whole model as torch.nn.utils.clip_grad_norm_ does;
+    return the loss.
 
     `step(model, x, y)` gives a micro-batch's mean loss (losses.LossStep: a loss on model(x)). With `precision`, it
     runs under autocast, and with its loss scaler the gradient is unscaled before clipping: a float32 gradient
@@ -112,7 +114,7 @@ def compute_gradients(
         total = _backward(model, xb, yb, accumulate, step, precision)
         if scaler is None:
             break
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grads = [t.grad for t in (*model.parameters(), *touched_rows(model)) if t.grad is not None]
         loss_finite = math.isfinite(total)
         if loss_finite and scaler.unscale(grads):
             scaler.update(finite=True)
@@ -135,7 +137,8 @@ def compute_gradients(
         )
         break
     if clip_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        # The tables' rows are parameters of the model too: their gradients count in the norm and are scaled.
+        torch.nn.utils.clip_grad_norm_([*model.parameters(), *touched_rows(model)], clip_grad_norm)
     return total
 
 
@@ -149,6 +152,7 @@ def _backward(
 ) -> float:
     """One forward and backward per micro-batch into zeroed gradients (scaled, with a loss scaler); the loss."""
     model.zero_grad(set_to_none=False)
+    forget_touched(model)  # the rows of an attempt computed again
     scaler = precision.scaler if precision is not None else None
     named = _named(step)
     total = 0.0
