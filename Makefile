@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 ## demo: 2 shards + 2 workers train the CNN on scikit-learn's digits (MODE=sync|async|ssp; DATA=sharded: streamed
-## from shards over HTTP, warmup-cosine); MODEL=recsys: the
-## sparse-table demo (a DLRM-style model on generated click logs, AUC against local training and the ceiling)
+## from shards over HTTP, warmup-cosine); MODEL=recsys: a recommendation job from the command line (planted click logs
+## as Criteo files, ps-prepare --format criteo, ps-server, two ps-worker --model dlrm; AUC against local training)
 demo: $(STAMP)
 	$(PY) -m worker.demos.demo --mode $(MODE) --shards $(SHARDS) --workers $(WORKERS) --port $(PORT) --model $(MODEL) --data $(DATA) $(DEMO_ARGS)
 

@@ -222,3 +222,52 @@ def test_recipes_reach_the_tables_rows_accumulation_clipping_and_float16_scaling
         scaled = grads(precision=MixedPrecision.for_device("float16", torch.device("cpu")))
         for got, want in zip(scaled, whole, strict=True):  # unscaled: close to float32's, not 2^16 times it
             torch.testing.assert_close(got, want, rtol=0.05, atol=1e-3)
+
+
+def test_two_ps_workers_train_what_one_process_trains_on_the_same_samples(tmp_path: Path) -> None:
+    """Two ps-worker processes (sync, 2 shards, Adagrad) against worker.demos.recsys.train_reference, the same DLRM
+    trained locally with torch's sparse embeddings on the concatenation of the workers' batches: the held-out
+    metrics agree to float rounding."""
+    import json
+    import subprocess
+    import sys
+
+    from worker.demos.recsys import train_reference
+    from worker.models.clicks import TableOptions
+
+    dataset = write_clicks(tmp_path / "clicks", train_shards=4)
+    lr, batch = 0.05, 50
+    config = ServerConfig(mode="sync", workers=2, optimizer="adagrad", lr=lr)
+    with LocalCluster(config, shards=2) as cluster:
+        common = ["--dataset", str(dataset), "--model", "dlrm", "--batch-size", str(batch), "--epochs", "1"]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "worker.cli",
+                    "--server",
+                    cluster.address,
+                    *common,
+                    "--embedding-dim",
+                    "8",
+                    "--metrics-out",
+                    str(tmp_path / f"worker-{k}.json"),
+                    "--no-progress",
+                ]
+            )
+            for k in range(2)
+        ]
+        try:
+            assert [p.wait(timeout=200) for p in procs] == [0, 0]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    served = [json.loads((tmp_path / f"worker-{k}.json").read_text()) for k in range(2)]
+    local = train_reference(str(dataset), tables=TableOptions(dim=8), batch_size=batch, lr=lr)
+    assert served[0]["steps"] == served[1]["steps"] == 2000 // 2 // batch
+    assert served[0]["test_auc"] == pytest.approx(local["test_auc"], abs=1e-4)
+    assert served[0]["test_logloss"] == pytest.approx(local["test_logloss"], abs=1e-4)
+    assert local["test_auc"] > 0.7

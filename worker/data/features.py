@@ -9,7 +9,8 @@ tensor does where the training loop needs it (`to`, `chunk`, `len`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,6 +59,18 @@ class Features:
         n = len(self)
         size = -(-n // max(1, chunks)) if n else 0
         return [self.rows(lo, min(lo + size, n)) for lo in range(0, n, size)] if size else [self]
+
+
+def concat(batches: Sequence[Features]) -> Features:
+    """The batches one after the other (a sync round's combined batch: each worker's in rank order)."""
+    ids: dict[str, torch.Tensor] = {}
+    offsets: dict[str, torch.Tensor] = {}
+    for name in batches[0].ids:
+        ids[name] = torch.cat([b.ids[name] for b in batches])
+        if name in batches[0].offsets:
+            starts = [0, *itertools.accumulate(len(b.ids[name]) for b in batches[:-1])]
+            offsets[name] = torch.cat([b.offsets[name] + s for b, s in zip(batches, starts, strict=True)])
+    return Features(torch.cat([b.dense for b in batches]), ids, offsets)
 
 
 def features_of(dense: np.ndarray, columns: Mapping[str, np.ndarray]) -> Features:

@@ -58,6 +58,13 @@ class PrepareConfig:
     test_fraction: float = config_field(0.2, "sources with no test split of their own: the share held out for test")
     seed: int = config_field(0, "seed of the held-out split of sources that have none")
     compression: str = config_field("zstd", "Parquet compression", choices=("zstd", "snappy", "gzip", "none"))
+    format: str = config_field(
+        "auto",
+        "auto: the source's own kind (a built-in, .npz, an image folder, a .csv/.parquet table); criteo: Criteo day "
+        "files (label, 13 integers, 26 hashes, tab-separated, plain or .gz; several at once) into click-log shards "
+        "with a schema for ps-worker --model dlrm (worker/data/clicks.py)",
+        choices=("auto", "criteo"),
+    )
     progress: bool = config_field(True, "show a progress bar")
 
     def __post_init__(self) -> None:
@@ -85,10 +92,27 @@ class Arrays:
     classes: tuple[str, ...] = ()
 
 
-def prepare(source: str, config: PrepareConfig) -> Manifest:
-    """Read `source`, preprocess it and write its shards and manifest under `config.out`; return the manifest."""
+def prepare(source: str | Sequence[str], config: PrepareConfig) -> Manifest:
+    """Read `source` (several files for --format criteo), preprocess it and write its shards and manifest under
+    `config.out`; return the manifest."""
     if not config.out:
         raise ValueError("say where to write the dataset: --out DIR or URL")
+    sources = [source] if isinstance(source, str) else list(source)
+    if config.format == "criteo":
+        from worker.data.clicks import prepare_criteo
+
+        return prepare_criteo(
+            sources,
+            config.out,
+            shards=config.shards,
+            test_shards=config.test_shards,
+            test_fraction=config.test_fraction,
+            compression=config.compression,
+            progress=config.progress,
+        )
+    if len(sources) != 1:
+        raise ValueError(f"one source at a time, not {len(sources)} (only --format criteo takes several files)")
+    source = sources[0]
     with tempfile.TemporaryDirectory(prefix="ps-prepare-") as scratch:
         return _prepare(source, config, read_source(source, config, Path(scratch)))
 
@@ -381,6 +405,7 @@ examples:
   ps-prepare digits --out /data/digits --shards 8             the built-in digits, 8 train shards
   ps-prepare ./photos --out s3://bucket/photos --image-size 64  class-per-folder images, resized to 64x64
   ps-prepare table.csv --label price --task regression --out hdfs://nn:8020/data/prices
+  ps-prepare day_0.tsv.gz day_1.tsv.gz --format criteo --out s3://bucket/criteo --shards 64   click logs
 
 Then train from it: ps-worker --server HOST:PORT --dataset /data/digits (or the URL of its manifest.json, e.g.
 http://files/digits/manifest.json); each worker streams the shards of its rank.
@@ -399,8 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "source",
+        nargs="+",
         help="digits, synthetic, a .npz with x_train/y_train/x_test/y_test, a folder of class folders of images, "
-        "or a .csv/.parquet table (path or URL)",
+        "or a .csv/.parquet table (path or URL); with --format criteo, Criteo day files (one or more)",
     )
     add_arguments(parser, PrepareConfig)
     return parser

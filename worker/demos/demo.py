@@ -72,8 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         default="cnn",
-        help="model for ps-worker --model; 'recsys': the sparse-table demo instead (python -m worker.demos.recsys: a "
-        "DLRM-style model on generated click logs, 2 shards and 2 workers in sync mode against local training)",
+        help="model for ps-worker --model; 'recsys': the recommendation job instead (python -m worker.demos.recsys: "
+        "planted click logs as Criteo files, ps-prepare --format criteo, 2 shards and 2 ps-worker --model dlrm in sync "
+        "mode, against the same model trained locally)",
     )
     parser.add_argument(
         "--data",

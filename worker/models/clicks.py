@@ -35,10 +35,12 @@ class TableOptions:
     evict_after_versions: int = 0
     capacity: int = 0  # rows per shard per table, 0: no cap
 
-    def table(self, feature: Categorical, dim: int | None = None) -> SparseEmbedding:
-        """The table of one feature (`dim` overrides the width: DeepFM's 1-wide linear part)."""
+    def table(self, feature: Categorical, dim: int | None = None, seed: int = 0) -> nn.Module:
+        """The table of one feature (`dim` overrides the width: DeepFM's 1-wide linear part; `seed`: its initial
+        rows', one per table so that an ID starts apart in each)."""
         return SparseEmbedding(
             dim or self.dim,
+            seed=seed,
             num_embeddings=self.table_size or None,
             mode="sum" if feature.multi_hot else None,
             optimizer=self.optimizer,
@@ -67,11 +69,13 @@ def mlp(sizes: Sequence[int], *, last_relu: bool) -> nn.Sequential:
 class _Tables(nn.Module):
     """One table per categorical feature, looked up from a batch's Features."""
 
-    def __init__(self, schema: Schema, tables: TableOptions, dim: int | None = None) -> None:
+    def __init__(self, schema: Schema, tables: TableOptions, dim: int | None = None, seed: int = 0) -> None:
         super().__init__()
         self.features = schema.categorical
         self.size = tables.table_size
-        self.tables = nn.ModuleDict({_key(f.name): tables.table(f, dim) for f in schema.categorical})
+        self.tables = nn.ModuleDict(
+            {_key(f.name): tables.table(f, dim, seed + k) for k, f in enumerate(schema.categorical)}
+        )
 
     def _ids(self, x: Features, name: str) -> Tensor:
         ids = x.ids[name]
@@ -90,8 +94,8 @@ class _Tables(nn.Module):
         """Name the IDs a coming forward pass on `x` looks up (SparseEmbedding.prefetch), as it will look them up."""
         for f in self.features:
             table = self.tables[_key(f.name)]
-            assert isinstance(table, SparseEmbedding)
-            table.prefetch(self._ids(x, f.name))
+            if isinstance(table, SparseEmbedding):  # (a local copy's tables have nothing to prefetch)
+                table.prefetch(self._ids(x, f.name))
 
 
 class DLRM(nn.Module):
@@ -137,7 +141,7 @@ class DeepFM(nn.Module):
     def __init__(self, schema: Schema, tables: TableOptions = TableOptions(), hidden: Sequence[int] = (64, 32)) -> None:
         super().__init__()
         dense = len(schema.dense)
-        self.linear = _Tables(schema, tables, dim=1)
+        self.linear = _Tables(schema, tables, dim=1, seed=len(schema.categorical))
         self.embeddings = _Tables(schema, tables)
         self.dense_linear = nn.Linear(dense, 1) if dense else None
         self.deep = mlp([dense + len(schema.categorical) * tables.dim, *hidden, 1], last_relu=False)
