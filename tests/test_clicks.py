@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -122,3 +123,58 @@ def test_a_damaged_line_is_refused_naming_the_file_and_nothing_is_left(tmp_path:
 def test_several_sources_need_the_criteo_format(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="only --format criteo takes several files"):
         prepare(["a.csv", "b.csv"], PrepareConfig(out=str(tmp_path / "out"), progress=False))
+
+
+def _token(text: str) -> int:
+    from worker.data.click_tables import string_ids
+
+    return int(string_ids(pa.array([text]))[0])
+
+
+def test_a_table_with_categorical_and_multi_hot_columns_becomes_click_shards(tmp_path: Path) -> None:
+    rows = [
+        ("clicked", "age", "user", "item", "tags"),
+        ("1", "30", "alice", "7", "a|b"),
+        ("0", "", "", "8", ""),
+        ("1", "41", "bob", "", "b||c"),
+        ("0", "25", "alice", "7", "c"),
+    ] * 5
+    table = tmp_path / "clicks.csv"
+    table.write_text("\n".join(",".join(r) for r in [rows[0], *[r for r in rows if r[0] != "clicked"]]) + "\n")
+    out = tmp_path / "out"
+    config = PrepareConfig(
+        out=str(out),
+        label="clicked",
+        categorical="user,item",
+        multi_hot="tags:|",
+        shards=2,
+        test_fraction=0.5,
+        progress=False,
+    )
+    manifest = prepare(str(table), config)
+    assert manifest.schema is not None and manifest.schema.dense == ("age",) and manifest.in_shape == (1,)
+    assert [(c.name, c.multi_hot) for c in manifest.schema.categorical] == [
+        ("user", False),
+        ("item", False),
+        ("tags", True),
+    ]
+    got = _read(out, "train")
+    order = np.argsort(got["id"])
+    lines = [r for r in rows if r[0] != "clicked"][0::2]  # every other line trains
+    assert np.array_equal(got["y"][order], [int(r[0]) for r in lines])
+    users = [_token(r[2]) if r[2] else MISSING_ID for r in lines]
+    assert np.array_equal(got["cat_user"][order], users)
+    assert np.array_equal(got["cat_item"][order], [int(r[3]) if r[3] else MISSING_ID for r in lines])
+    bags = [list(b) for b in got["cat_tags"][order]]
+    assert bags == [[_token(t) for t in r[4].split("|") if t] for r in lines]  # empty tokens and values: no ID
+
+
+def test_a_table_with_a_label_other_than_0_or_1_or_an_unknown_column_is_refused(tmp_path: Path) -> None:
+    table = tmp_path / "t.csv"
+    table.write_text("clicked,user,x\n2,a,1\n0,b,2\n1,c,3\n0,d,4\n")
+    config = PrepareConfig(out=str(tmp_path / "o"), label="clicked", categorical="user", shards=1, progress=False)
+    with pytest.raises(ValueError, match="not 0 or 1"):
+        prepare(str(table), config)
+    with pytest.raises(ValueError, match="no column 'usr'"):
+        prepare(str(table), PrepareConfig(out=str(tmp_path / "o"), label="clicked", categorical="usr", progress=False))
+    assert not (tmp_path / "o" / "manifest.json").exists()

@@ -24,8 +24,9 @@ import gzip
 import hashlib
 import tempfile
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -147,8 +148,65 @@ def _dense(batch: Any) -> np.ndarray:
     return np.log1p(np.maximum(values, 0).astype(np.float64))
 
 
-def prepare_criteo(
-    files: Sequence[str],
+class ClickSource(Protocol):
+    """Where click logs come from, block by block: Criteo day files here, a table (worker.data.click_tables)."""
+
+    name: str
+    dense: tuple[str, ...]
+    dense_transform: str
+    features: tuple[Categorical, ...]  # their names and kinds (the counts come from the data)
+    size: int  # bytes to read in one pass (for the progress bar)
+
+    def blocks(self, dense_only: bool, bar: Any) -> Iterator[tuple[str, Any]]:
+        """(where, a pyarrow record batch) over the whole input, in order."""
+
+    def dense_values(self, batch: Any) -> np.ndarray:
+        """The dense features, transformed, float64 [n, len(dense)]."""
+
+    def labels(self, batch: Any, where: str) -> np.ndarray:
+        """int64 0/1 labels; ValueError naming `where` for anything else."""
+
+    def ids(self, batch: Any, where: str) -> dict[str, Any]:
+        """Each feature's int64 IDs (a numpy array), or bags (a pyarrow list<int64> array) for a multi-hot one."""
+
+
+class Criteo:
+    """Criteo day files as a ClickSource."""
+
+    name = "criteo"
+    dense = DENSE
+    dense_transform = "log1p"
+    features = tuple(Categorical(c) for c in CATEGORICAL)
+
+    def __init__(self, files: Sequence[str]) -> None:
+        if not files:
+            raise ValueError("name the Criteo day files to prepare")
+        self.files = list(files)
+        self.size = sum(storage.filesystem(f)[0].size(storage.filesystem(f)[1]) for f in files)
+
+    def blocks(self, dense_only: bool, bar: Any) -> Iterator[tuple[str, Any]]:
+        return _blocks(self.files, dense_only, bar)
+
+    def dense_values(self, batch: Any) -> np.ndarray:
+        return _dense(batch)
+
+    def labels(self, batch: Any, where: str) -> np.ndarray:
+        return checked_labels(batch.column("label"), where)
+
+    def ids(self, batch: Any, where: str) -> dict[str, Any]:
+        return {c: hex_ids(batch.column(c), f"{where}, column {c}") for c in CATEGORICAL}
+
+
+def checked_labels(column: Any, where: str) -> np.ndarray:
+    """A label column as int64 0/1; ValueError naming `where` for a missing label or any other value."""
+    y = column.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    if ((y != 0) & (y != 1)).any():
+        raise ValueError(f"{where}: a label that is not 0 or 1 (a click log's label says whether it was clicked)")
+    return y
+
+
+def prepare_clicks(
+    source: ClickSource,
     out: str,
     *,
     shards: int,
@@ -157,23 +215,22 @@ def prepare_criteo(
     compression: str,
     progress: bool,
 ) -> Manifest:
-    """Prepare Criteo day files into `shards` train shards and a test split under `out`; return the manifest."""
-    if not files:
-        raise ValueError("name the Criteo day files to prepare")
-    sizes = [storage.filesystem(f)[0].size(storage.filesystem(f)[1]) for f in files]
+    """Prepare click logs into `shards` train shards and a test split under `out`; return the manifest."""
     every = max(2, round(1 / test_fraction))
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=2 * sum(sizes), desc="ps-prepare criteo", unit="B", unit_scale=True, dynamic_ncols=True)
+        bar = tqdm(
+            total=2 * source.size, desc=f"ps-prepare {source.name}", unit="B", unit_scale=True, dynamic_ncols=True
+        )
+    width = len(source.dense)
     try:
         # Pass 1: the dense statistics of the training lines, and the line count.
-        total, lines = np.zeros(13), 0
-        squares, count = np.zeros(13), 0
-        for _, batch in _blocks(files, True, bar):
+        total, squares, count, lines = np.zeros(width), np.zeros(width), 0, 0
+        for _, batch in source.blocks(True, bar):
             train = (np.arange(lines, lines + batch.num_rows) % every) != every - 1
-            x = _dense(batch)[train]
+            x = source.dense_values(batch)[train]
             total += x.sum(0)
             squares += np.square(x).sum(0)
             count += len(x)
@@ -184,23 +241,24 @@ def prepare_criteo(
         std = np.sqrt(np.maximum(squares / count - mean**2, 0.0))
         std = np.where(std > 1e-12, std, 1.0)
         test_count = min(test_shards or max(1, shards // 10), max(1, lines - count))
-        with tempfile.TemporaryDirectory(prefix="ps-prepare-criteo-") as scratch:
-            splits = _write(files, Path(scratch), out, shards, test_count, every, mean, std, compression, bar)
+        with tempfile.TemporaryDirectory(prefix="ps-prepare-clicks-") as scratch:
+            plan = _Plan(Path(scratch), out, {"train": shards, "test": test_count}, every, compression)
+            splits, distinct = _write(source, plan, mean, std, bar)
     finally:
         if bar is not None:
             bar.close()
     manifest = Manifest(
-        name="criteo",
+        name=source.name,
         task="classification",
-        in_shape=(13,),
+        in_shape=(width,),
         num_classes=2,
-        splits={name: split for name, (split, _) in splits.items()},
+        splits=splits,
         normalization={"axis": "feature", "mean": mean.tolist(), "std": std.tolist()},
-        source=",".join(files),
+        source=source.name,
         schema=Schema(
-            dense=DENSE,
-            categorical=tuple(Categorical(c, False, *splits["train"][1][c].count()) for c in CATEGORICAL),
-            dense_transform="log1p",
+            dense=source.dense,
+            categorical=tuple(Categorical(f.name, f.multi_hot, *distinct[f.name].count()) for f in source.features),
+            dense_transform=source.dense_transform,
         ),
         base=out,
     )
@@ -208,89 +266,97 @@ def prepare_criteo(
     return manifest
 
 
+@dataclass(frozen=True)
+class _Plan:
+    scratch: Path
+    out: str
+    counts: dict[str, int]  # shards per split
+    every: int  # every k-th line is held out
+    compression: str
+
+
 def _write(
-    files: Sequence[str],
-    scratch: Path,
-    out: str,
-    shards: int,
-    test_shards: int,
-    every: int,
-    mean: np.ndarray,
-    std: np.ndarray,
-    compression: str,
-    bar: Any,
-) -> dict[str, tuple[Split, dict[str, _Distinct]]]:
+    source: ClickSource, plan: _Plan, mean: np.ndarray, std: np.ndarray, bar: Any
+) -> tuple[dict[str, Split], dict[str, _Distinct]]:
     """Pass 2: each block's lines, transformed, appended to the shard files; then the files stored."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    width = len(source.dense)
     schema = pa.schema(
-        [("id", pa.int64()), ("x", pa.list_(pa.float32(), 13)), ("y", pa.int64())]
-        + [(f"cat_{c}", pa.int64()) for c in CATEGORICAL]
+        [("id", pa.int64()), ("x", pa.list_(pa.float32(), width)), ("y", pa.int64())]
+        + [(f.column, pa.list_(pa.int64()) if f.multi_hot else pa.int64()) for f in source.features]
     )
-    counts = {"train": shards, "test": test_shards}
-    names = {s: [f"{s}-{i:05d}-of-{n:05d}.parquet" for i in range(n)] for s, n in counts.items()}
+    names = {s: [f"{s}-{i:05d}-of-{n:05d}.parquet" for i in range(n)] for s, n in plan.counts.items()}
+    compression = None if plan.compression == "none" else plan.compression
     writers = {
         s: [
             pq.ParquetWriter(
-                scratch / name,
+                plan.scratch / name,
                 schema,
-                compression=None if compression == "none" else compression,
+                compression=compression,
                 use_dictionary=False,
                 use_byte_stream_split=["x.list.element"],
             )
             for name in names[s]
         ]
-        for s in counts
+        for s in plan.counts
     }
-    held = {s: [0] * n for s, n in counts.items()}
-    seen = {s: 0 for s in counts}
-    distinct = {c: _Distinct() for c in CATEGORICAL}
+    held = {s: [0] * n for s, n in plan.counts.items()}
+    seen = {s: 0 for s in plan.counts}
+    distinct = {f.name: _Distinct() for f in source.features}
     lines = 0
     try:
-        for url, batch in _blocks(files, False, bar):
-            test = (np.arange(lines, lines + batch.num_rows) % every) == every - 1
+        for where, batch in source.blocks(False, bar):
+            test = (np.arange(lines, lines + batch.num_rows) % plan.every) == plan.every - 1
             lines += batch.num_rows
-            x = ((_dense(batch) - mean) / std).astype(np.float32)
-            y = batch.column("label").fill_null(-1).to_numpy(zero_copy_only=False)
-            if ((y != 0) & (y != 1)).any():
-                raise ValueError(f"{url}: a label that is not 0 or 1 in the lines before line {lines + 1}")
-            ids = {c: hex_ids(batch.column(c), f"{url}, column {c}") for c in CATEGORICAL}
+            x = ((source.dense_values(batch) - mean) / std).astype(np.float32)
+            y = source.labels(batch, where)
+            ids = source.ids(batch, where)
             for split, rows in (("train", np.flatnonzero(~test)), ("test", np.flatnonzero(test))):
                 if split == "train":
-                    for c in CATEGORICAL:
-                        distinct[c].add(ids[c][rows])
-                for k, part in enumerate(np.array_split(rows, counts[split])):
+                    for f in source.features:
+                        distinct[f.name].add(_values(ids[f.name], rows))
+                for k, part in enumerate(np.array_split(rows, plan.counts[split])):
                     if not len(part):
                         continue
                     first = seen[split]
                     seen[split] += len(part)
                     held[split][k] += len(part)
-                    table = pa.table(
-                        {
-                            "id": pa.array(np.arange(first, first + len(part), dtype=np.int64)),
-                            "x": pa.FixedSizeListArray.from_arrays(pa.array(x[part].reshape(-1)), 13),
-                            "y": pa.array(y[part].astype(np.int64)),
-                            **{f"cat_{c}": pa.array(ids[c][part]) for c in CATEGORICAL},
-                        },
-                        schema=schema,
-                    )
-                    writers[split][k].write_table(table)
+                    columns = {
+                        "id": pa.array(np.arange(first, first + len(part), dtype=np.int64)),
+                        "x": pa.FixedSizeListArray.from_arrays(pa.array(x[part].reshape(-1)), width),
+                        "y": pa.array(y[part]),
+                        **{f.column: _rows(ids[f.name], part) for f in source.features},
+                    }
+                    writers[split][k].write_table(pa.table(columns, schema=schema))
     finally:
         for ws in writers.values():
             for w in ws:
                 w.close()
-    result: dict[str, tuple[Split, dict[str, _Distinct]]] = {}
-    for split in counts:
+    splits = {}
+    for split, count in plan.counts.items():
         stored = []
         for name, n in zip(names[split], held[split], strict=True):
             if n == 0:
-                raise ValueError(
-                    f"too few {split} lines for {counts[split]} shards: use fewer (--shards, --test-shards)"
-                )
-            data = (scratch / name).read_bytes()
-            storage.write_bytes(storage.join(out, name), data)
+                raise ValueError(f"too few {split} lines for {count} shards: fewer --shards or --test-shards")
+            data = (plan.scratch / name).read_bytes()
+            storage.write_bytes(storage.join(plan.out, name), data)
             stored.append(ShardFile(name, n, len(data), hashlib.sha256(data).hexdigest()))
-            (scratch / name).unlink()
-        result[split] = (Split(seen[split], tuple(stored)), distinct)
-    return result
+            (plan.scratch / name).unlink()
+        splits[split] = Split(seen[split], tuple(stored))
+    return splits, distinct
+
+
+def _rows(column: Any, rows: np.ndarray) -> Any:
+    """These rows of a feature's IDs (numpy) or bags (a pyarrow list array)."""
+    import pyarrow as pa
+
+    return pa.array(column[rows]) if isinstance(column, np.ndarray) else column.take(pa.array(rows))
+
+
+def _values(column: Any, rows: np.ndarray) -> np.ndarray:
+    """The IDs of these rows (a bag's one after the other)."""
+    if isinstance(column, np.ndarray):
+        return column[rows]
+    return np.asarray(_rows(column, rows).flatten().to_numpy(zero_copy_only=False), dtype=np.int64)

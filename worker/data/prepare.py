@@ -58,6 +58,17 @@ class PrepareConfig:
     test_fraction: float = config_field(0.2, "sources with no test split of their own: the share held out for test")
     seed: int = config_field(0, "seed of the held-out split of sources that have none")
     compression: str = config_field("zstd", "Parquet compression", choices=("zstd", "snappy", "gzip", "none"))
+    categorical: str = config_field(
+        "",
+        "CSV/Parquet tables of click logs: comma-separated columns that are categorical features (integers kept as "
+        "IDs, strings hashed; no vocabulary), the label 0/1 and every other column a dense feature; ps-worker then "
+        "trains --model dlrm on it",
+    )
+    multi_hot: str = config_field(
+        "",
+        "click-log tables: COLUMN:SEPARATOR[,COLUMN:SEPARATOR...], columns holding bags of IDs as text split on "
+        "SEPARATOR (e.g. tags:|)",
+    )
     format: str = config_field(
         "auto",
         "auto: the source's own kind (a built-in, .npz, an image folder, a .csv/.parquet table); criteo: Criteo day "
@@ -99,10 +110,10 @@ def prepare(source: str | Sequence[str], config: PrepareConfig) -> Manifest:
         raise ValueError("say where to write the dataset: --out DIR or URL")
     sources = [source] if isinstance(source, str) else list(source)
     if config.format == "criteo":
-        from worker.data.clicks import prepare_criteo
+        from worker.data.clicks import Criteo, prepare_clicks
 
-        return prepare_criteo(
-            sources,
+        return prepare_clicks(
+            Criteo(sources),
             config.out,
             shards=config.shards,
             test_shards=config.test_shards,
@@ -113,6 +124,21 @@ def prepare(source: str | Sequence[str], config: PrepareConfig) -> Manifest:
     if len(sources) != 1:
         raise ValueError(f"one source at a time, not {len(sources)} (only --format criteo takes several files)")
     source = sources[0]
+    if config.categorical or config.multi_hot:
+        from worker.data.click_tables import Table, parse_multi_hot
+        from worker.data.clicks import prepare_clicks
+
+        columns = [c.strip() for c in config.categorical.split(",") if c.strip()]
+        table = Table(source, config.label, columns, parse_multi_hot(config.multi_hot))
+        return prepare_clicks(
+            table,
+            config.out,
+            shards=config.shards,
+            test_shards=config.test_shards,
+            test_fraction=config.test_fraction,
+            compression=config.compression,
+            progress=config.progress,
+        )
     with tempfile.TemporaryDirectory(prefix="ps-prepare-") as scratch:
         return _prepare(source, config, read_source(source, config, Path(scratch)))
 
@@ -406,6 +432,7 @@ examples:
   ps-prepare ./photos --out s3://bucket/photos --image-size 64  class-per-folder images, resized to 64x64
   ps-prepare table.csv --label price --task regression --out hdfs://nn:8020/data/prices
   ps-prepare day_0.tsv.gz day_1.tsv.gz --format criteo --out s3://bucket/criteo --shards 64   click logs
+  ps-prepare clicks.csv --label clicked --categorical user,item --multi-hot tags:'|' --out /data/clicks
 
 Then train from it: ps-worker --server HOST:PORT --dataset /data/digits (or the URL of its manifest.json, e.g.
 http://files/digits/manifest.json); each worker streams the shards of its rank.
