@@ -60,6 +60,7 @@ class Table:
 
     def __init__(self, url: str, label: str, categorical: Sequence[str], multi_hot: dict[str, str]) -> None:
         self.url = url
+        self.origin = url
         self.name = url.rstrip("/").rsplit("/", 1)[-1].split(".")[0] or "clicks"
         self.label = label
         self.multi_hot = multi_hot

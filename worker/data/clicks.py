@@ -154,6 +154,7 @@ class ClickSource(Protocol):
     """Where click logs come from, block by block: Criteo day files here, a table (worker.data.click_tables)."""
 
     name: str
+    origin: str  # what was read (the manifest's `source`)
     dense: tuple[str, ...]
     dense_transform: str
     features: tuple[Categorical, ...]  # their names and kinds (the counts come from the data)
@@ -184,7 +185,11 @@ class Criteo:
         if not files:
             raise ValueError("name the Criteo day files to prepare")
         self.files = list(files)
-        self.size = sum(storage.filesystem(f)[0].size(storage.filesystem(f)[1]) for f in files)
+        self.origin = ",".join(self.files)
+        self.size = 0
+        for url in self.files:
+            fs, path = storage.filesystem(url)
+            self.size += int(fs.size(path))
 
     def blocks(self, dense_only: bool, bar: Any) -> Iterator[tuple[str, Any]]:
         return _blocks(self.files, dense_only, bar)
@@ -256,7 +261,7 @@ def prepare_clicks(
         num_classes=2,
         splits=splits,
         normalization={"axis": "feature", "mean": mean.tolist(), "std": std.tolist()},
-        source=source.name,
+        source=source.origin,
         schema=Schema(
             dense=source.dense,
             categorical=tuple(Categorical(f.name, f.multi_hot, *distinct[f.name].count()) for f in source.features),
