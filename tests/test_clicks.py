@@ -178,3 +178,17 @@ def test_a_table_with_a_label_other_than_0_or_1_or_an_unknown_column_is_refused(
     with pytest.raises(ValueError, match="no column 'usr'"):
         prepare(str(table), PrepareConfig(out=str(tmp_path / "o"), label="clicked", categorical="usr", progress=False))
     assert not (tmp_path / "o" / "manifest.json").exists()
+
+
+def test_ps_prepare_does_not_load_torch() -> None:
+    """ps-prepare never trains: importing it (and the click-log writer) leaves torch unloaded, 1.9 s and about
+    200 MB of RSS a process would otherwise pay (worker's names load on first use)."""
+    import subprocess
+    import sys
+
+    code = "import sys, worker.data.prepare, worker.data.clicks; assert 'torch' not in sys.modules"
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True)
+    assert probe.returncode == 0, probe.stderr.decode()
+    code = "import sys; from worker import PSClient; assert 'torch' in sys.modules"
+    loaded = subprocess.run([sys.executable, "-c", code])
+    assert loaded.returncode == 0

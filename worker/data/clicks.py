@@ -37,8 +37,9 @@ from worker.data.manifest import MANIFEST, MISSING_ID, Categorical, Manifest, Sc
 DENSE = tuple(f"I{i}" for i in range(1, 14))
 CATEGORICAL = tuple(f"C{i}" for i in range(1, 27))
 COLUMNS = ("label", *DENSE, *CATEGORICAL)
-# Text per CSV block. 4 MiB against 16: a lower plateau (peak RSS 609 MB against 952 MB for 216 MB of Criteo lines,
-# 652 MB for 431 MB: the interpreter with torch is 240 MB of it) and no slower (9.7 s against 11.4 s).
+# Text per CSV block. pyarrow's reader runs a few dozen blocks ahead, and each block's lines make one row group per
+# shard: 4 MiB measured best of 256 KiB-16 MiB (peak RSS 352 MB for 108 MB of Criteo lines and 412 MB for 431 MB,
+# against 369 MB at 1 MiB and 952 MB for 216 MB at 16 MiB; smaller blocks were slower: 41.7 s at 256 KiB for 17.6 s).
 BLOCK_BYTES = 4 << 20
 SKETCH = 4096  # the distinct-count sketch's k
 
@@ -337,6 +338,7 @@ def _write(
                         **{f.column: _rows(ids[f.name], part) for f in source.features},
                     }
                     writers[split][k].write_table(pa.table(columns, schema=schema))
+            pa.default_memory_pool().release_unused()  # hand a block's buffers back, or the peak creeps up
     finally:
         for ws in writers.values():
             for w in ws:
