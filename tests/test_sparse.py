@@ -405,3 +405,25 @@ def test_a_table_survives_deepcopy_and_pickling_without_its_steps_in_flight(
         thawed = pickle.loads(pickle.dumps(model))
         with pytest.raises(RuntimeError, match="not registered"):
             thawed(*batch[:3])
+
+
+def test_ids_of_any_integer_dtype_and_shape_are_taken_and_float_ids_refused(
+    ps_cluster_factory: Callable[..., object],
+) -> None:
+    """What nn.Embedding takes: int16 and uint8 IDs, a [B, 1] column; a float tensor of IDs (deepctr-torch casts its
+    inputs to float32, which rounds IDs of 2^24 and above) is refused saying why."""
+    cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="sgd", lr=0.1), shards=2)
+    model = PSModel()
+    ids = torch.tensor([3, 5, 3, 60])
+    with PSClient(cluster.address) as client:  # type: ignore[attr-defined]
+        client.register(model)
+        want = model.item(ids)
+        for dtype in (torch.int16, torch.uint8, torch.int32):
+            torch.testing.assert_close(model.item(ids.to(dtype)), want)
+        column = model.item(ids.reshape(-1, 1))
+        assert column.shape == (4, 1, DIM)
+        torch.testing.assert_close(column.reshape(4, DIM), want)
+        model.item.prefetch(ids.reshape(-1, 1).to(torch.int16))
+        torch.testing.assert_close(model.item(ids.reshape(-1, 1).to(torch.int16)).reshape(4, DIM), want)
+        with pytest.raises(TypeError, match="embedding IDs are integers, not torch.float32.*2\\^24"):
+            model.item(ids.float())

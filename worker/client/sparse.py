@@ -292,8 +292,11 @@ class SparseEmbedding(nn.Module):
                 "this SparseEmbedding is not registered with a PSClient: call client.register(model) first (its "
                 "rows live on the parameter server)"
             )
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"embedding IDs are int64 or int32 tensors, not {ids.dtype}")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(
+                f"embedding IDs are integers, not {ids.dtype}: a float tensor rounds IDs (float32 from 2^24 on), so "
+                "two IDs could read one row; keep the IDs in an integer tensor (as nn.Embedding takes them)"
+            )
         if (self.mode is None) != (offsets is None):
             raise ValueError(
                 "mode None takes ids alone; mode 'sum' or 'mean' takes 1-D ids and the offsets where each bag starts"
