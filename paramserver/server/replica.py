@@ -210,10 +210,16 @@ class Replication:
         which then stops too instead of taking over, and the coordinator, for a copy that starts again later."""
         if self.shard.done.is_set() and self.shard.replicator is self and not self.deposed.is_set():
             self._heartbeat()
-            with contextlib.suppress(CoordinatorUnavailable):
-                cfg = self.register.read()
-                if cfg is not None and cfg.primary == self.copy and not cfg.done:
-                    self.register.swap(cfg, cfg.but(done=True))
+            # Said again where a swap lost to a change that came first, or the coordinator did not answer in time.
+            for _ in range(10):
+                try:
+                    cfg = self.register.read()
+                    if cfg is None or cfg.primary != self.copy or cfg.done:
+                        break
+                    if self.register.swap(cfg, cfg.but(done=True)) is not None:
+                        break
+                except CoordinatorUnavailable:
+                    time.sleep(0.1)
         self._stop.set()
         with self._cond:
             self._drop_backup_locked()
