@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -109,11 +110,12 @@ def prepare(source: str | Sequence[str], config: PrepareConfig) -> Manifest:
     if not config.out:
         raise ValueError("say where to write the dataset: --out DIR or URL")
     sources = [source] if isinstance(source, str) else list(source)
-    if config.format == "criteo":
-        from worker.data.clicks import Criteo, prepare_clicks
+    clicks = _click_source(sources, config)
+    if clicks is not None:
+        from worker.data.clicks import prepare_clicks
 
         return prepare_clicks(
-            Criteo(sources),
+            clicks,
             config.out,
             shards=config.shards,
             test_shards=config.test_shards,
@@ -124,23 +126,24 @@ def prepare(source: str | Sequence[str], config: PrepareConfig) -> Manifest:
     if len(sources) != 1:
         raise ValueError(f"one source at a time, not {len(sources)} (only --format criteo takes several files)")
     source = sources[0]
-    if config.categorical or config.multi_hot:
-        from worker.data.click_tables import Table, parse_multi_hot
-        from worker.data.clicks import prepare_clicks
-
-        columns = [c.strip() for c in config.categorical.split(",") if c.strip()]
-        table = Table(source, config.label, columns, parse_multi_hot(config.multi_hot))
-        return prepare_clicks(
-            table,
-            config.out,
-            shards=config.shards,
-            test_shards=config.test_shards,
-            test_fraction=config.test_fraction,
-            compression=config.compression,
-            progress=config.progress,
-        )
     with tempfile.TemporaryDirectory(prefix="ps-prepare-") as scratch:
         return _prepare(source, config, read_source(source, config, Path(scratch)))
+
+
+def _click_source(sources: list[str], config: PrepareConfig) -> Any:
+    """The click-log source these sources and flags name (worker.data.clicks.ClickSource), or None for the rest."""
+    if config.format == "criteo":
+        from worker.data.clicks import Criteo
+
+        return Criteo(sources)
+    if not (config.categorical or config.multi_hot):
+        return None
+    if len(sources) != 1:
+        raise ValueError(f"one table at a time, not {len(sources)}")
+    from worker.data.click_tables import Table, parse_multi_hot
+
+    columns = [c.strip() for c in config.categorical.split(",") if c.strip()]
+    return Table(sources[0], config.label, columns, parse_multi_hot(config.multi_hot))
 
 
 def _prepare(source: str, config: PrepareConfig, arrays: Arrays) -> Manifest:

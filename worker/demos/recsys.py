@@ -25,6 +25,7 @@ import time
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -121,7 +122,7 @@ def train_reference(
         for epoch in range(epochs):
             ranks = [r.batches(k, workers, batch_size, seed=seed, epoch=epoch) for k, r in enumerate(readers)]
             for pairs in zip(*ranks, strict=True):
-                x = concat([p[0] for p in pairs if isinstance(p[0], Features)])
+                x = concat([cast(Features, p[0]) for p in pairs])
                 y = torch.cat([p[1] for p in pairs])
                 optimizer.zero_grad()
                 step(local, x, y).backward()

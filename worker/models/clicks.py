@@ -51,7 +51,7 @@ class TableOptions:
         )
 
 
-def _key(name: str) -> str:
+def feature_key(name: str) -> str:
     """A feature's name as a module name (no dots: a dot would read as a path in the model)."""
     return name.replace(".", "_") or "_"
 
@@ -74,7 +74,7 @@ class _Tables(nn.Module):
         self.features = schema.categorical
         self.size = tables.table_size
         self.tables = nn.ModuleDict(
-            {_key(f.name): tables.table(f, dim, seed + k) for k, f in enumerate(schema.categorical)}
+            {feature_key(f.name): tables.table(f, dim, seed + k) for k, f in enumerate(schema.categorical)}
         )
 
     def _ids(self, x: Features, name: str) -> Tensor:
@@ -85,7 +85,7 @@ class _Tables(nn.Module):
         """Each feature's rows, [B, dim] (a bag pooled)."""
         out = []
         for f in self.features:
-            table = self.tables[_key(f.name)]
+            table = self.tables[feature_key(f.name)]
             ids = self._ids(x, f.name)
             out.append(table(ids, x.offsets[f.name]) if f.multi_hot else table(ids))
         return out
@@ -93,7 +93,7 @@ class _Tables(nn.Module):
     def prefetch(self, x: Features) -> None:
         """Name the IDs a coming forward pass on `x` looks up (SparseEmbedding.prefetch), as it will look them up."""
         for f in self.features:
-            table = self.tables[_key(f.name)]
+            table = self.tables[feature_key(f.name)]
             if isinstance(table, SparseEmbedding):  # (a local copy's tables have nothing to prefetch)
                 table.prefetch(self._ids(x, f.name))
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from worker.client.sparse import SparseEmbedding, tables_of
 from worker.data.features import Features
+from worker.models.clicks import feature_key
 
 
 class TablePrefetch:
@@ -30,8 +31,8 @@ class TablePrefetch:
         own = getattr(model, "prefetch", None)
         self._own = own if callable(own) else None
         names = set(features)
-        # A table whose path's last part names a feature; a name with dots is a module path's dots replaced by "_".
-        keys = {name.replace(".", "_"): name for name in names}
+        # A table whose path's last part names a feature (as a module name: worker.models.clicks.feature_key).
+        keys = {feature_key(name): name for name in names}
         self._tables: list[tuple[str, SparseEmbedding]] = [
             (keys[path.rsplit(".", 1)[-1]], table)
             for path, table in tables_of(model)
