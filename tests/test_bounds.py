@@ -262,6 +262,11 @@ OVER: list[tuple[str, int, Callable[[Env], object]]] = [
     ("LeaveRequest.worker_id", 128, lambda e: e.stub.Leave(ps_pb2.LeaveRequest(worker_id=_over(128)))),
     ("PullRequest.worker_id", 128, lambda e: e.pull(worker_id=_over(128))),
     ("PullRequest.incarnation", 64, lambda e: e.pull(worker_id=WORKER, incarnation=_over(64))),
+    (
+        "ExportRowsRequest.model_digest",
+        64,
+        lambda e: list(e.stub.ExportRows(ps_pb2.ExportRowsRequest(model_digest=_over(64)), timeout=CALL_TIMEOUT)),
+    ),
     ("InitMessage.header.worker_id", 128, lambda e: _init(e, worker_id=_over(128))),
     ("InitMessage.header.model_digest", 64, lambda e: _init(e, model_digest=_over(64))),
     ("InitMessage.header.specs", 65536, lambda e: _init(e, specs=[ps_pb2.TensorSpec(name="t", shape=[1])] * 65537)),

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_end_to_end import _in_threads
 from torch import nn
 
@@ -316,7 +317,7 @@ def test_a_worker_that_joins_mid_job_evaluates_with_the_jobs_statistics(
                 batch_size=32,
                 progress=False,
                 timeout=CLIENT_TIMEOUT,
-                save_model=str(tmp_path / f"model-{rank}.pt"),
+                save_model=str(tmp_path / f"model-{rank}.safetensors"),
             )
             metrics[rank] = train(config, dataset=digits)  # leaves, finished, at the end
 
@@ -331,7 +332,7 @@ def test_a_worker_that_joins_mid_job_evaluates_with_the_jobs_statistics(
         late.register(joined)
         assert accuracy_of(joined, digits.x_test, digits.y_test, CPU) == accuracy
 
-    saved = torch.load(tmp_path / "model-0.pt", weights_only=True)
+    saved = load_file(tmp_path / "model-0.safetensors")  # --save-model's file, read by safetensors itself
     reloaded = fresh(seed=12)
     reloaded.load_state_dict(saved)
     assert accuracy_of(reloaded, digits.x_test, digits.y_test, CPU) == accuracy

@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from paramserver import LocalCluster, ServerConfig
 from paramserver.placement import SLICE_ELEMENTS
@@ -279,7 +280,7 @@ def test_ps_server_and_two_ps_workers_reach_the_accuracy_target(tmp_path, mode, 
                 str(tmp_path / f"w{i}.json"),
             ]
             if i == 0:
-                cmd += ["--save-model", str(tmp_path / "model.pt")]
+                cmd += ["--save-model", str(tmp_path / "model.safetensors")]
             if overlap:
                 cmd += ["--overlap"]
             workers.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
@@ -311,7 +312,7 @@ def test_ps_server_and_two_ps_workers_reach_the_accuracy_target(tmp_path, mode, 
         # (Not what the workers' last pulls saw: two last pushes may reach the two shards in opposite orders.)
         assert all(m["stale_pushes"] == 0 for m in metrics)
         assert versions == [sum(m["steps"] for m in metrics)] * 2, versions
-    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    state = load_file(tmp_path / "model.safetensors")
     model = build_model("cnn", in_shape=(1, 8, 8), num_classes=10)
     model.load_state_dict(state)
 

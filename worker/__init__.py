@@ -1,8 +1,10 @@
 """The worker side of paramserver: `PSClient` to talk to the shards, `Overlap` to exchange in the background
 while the next step computes, `SparseEmbedding` for embedding tables held by the shards, and the `ps-worker`
-training loop.
+training loop. For a model and a loop written for plain torch: `make_sparse` (its embeddings onto the shards),
+`PSOptimizer` (a torch.optim.Optimizer whose step is an exchange), `PSClient.save` and `load` (the trained model,
+tables included, in one safetensors file, served without servers).
 
-The three names load on first use, so that what needs none of them (ps-prepare, which never trains) does not load
+These names load on first use, so that what needs none of them (ps-prepare, which never trains) does not load
 torch: 1.9 s and about 200 MB of a ps-prepare process otherwise.
 """
 
@@ -13,12 +15,22 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from worker.client import PSClient
+    from worker.client.model_file import load
     from worker.client.sparse import SparseEmbedding
+    from worker.models.convert import make_sparse
+    from worker.train.optimizer import PSOptimizer
     from worker.train.overlap import Overlap
 
-__all__ = ["Overlap", "PSClient", "SparseEmbedding"]
+__all__ = ["Overlap", "PSClient", "PSOptimizer", "SparseEmbedding", "load", "make_sparse"]
 
-_WHERE = {"PSClient": "worker.client", "SparseEmbedding": "worker.client.sparse", "Overlap": "worker.train.overlap"}
+_WHERE = {
+    "PSClient": "worker.client",
+    "SparseEmbedding": "worker.client.sparse",
+    "Overlap": "worker.train.overlap",
+    "PSOptimizer": "worker.train.optimizer",
+    "make_sparse": "worker.models.convert",
+    "load": "worker.client.model_file",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -19,7 +19,7 @@ EPILOG = """\
 examples:
   ps-worker --server 127.0.0.1:50051                          the built-in CNN on the digits dataset
   ps-worker --server ps-0.ps:50051 --model mlp --epochs 20 --metrics-out run.json
-  ps-worker --server HOST:PORT --model mypkg.models:make_net --dataset data.npz --save-model net.pt
+  ps-worker --server HOST:PORT --model mypkg.models:make_net --dataset data.npz --save-model net.safetensors
   ps-worker --server HOST:PORT --nproc 4                      one worker per GPU of this host (else 4 on the CPU)
 
 The servers decide the mode (sync/async), optimizer and learning rate; see ps-server --help.

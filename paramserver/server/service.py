@@ -26,6 +26,9 @@ from paramserver.server.exchange import (
     WeightsSink,
     segment_route,
 )
+from paramserver.shard import schedules
+from paramserver.shard.export import export_rows
+from paramserver.shard.given_rows import GivenRows
 from paramserver.shard.model import ShardModel
 from paramserver.shard.sparse import SparseIn
 from paramserver.shard.state import Shard
@@ -74,14 +77,24 @@ class ClientStream:
             raise MalformedStream(f"a {self._kind} stream must start with its header")
         return first.header
 
-    def receive(self, targets: Sequence[np.ndarray], names: Sequence[str], dtype: int) -> None:
+    def receive(
+        self,
+        targets: Sequence[np.ndarray],
+        names: Sequence[str],
+        dtype: int,
+        rows: Callable[[ps_pb2.Rows], None] | None = None,
+    ) -> None:
         """Write every remaining message, all chunks, into the targets (validated, NaN/Inf refused by a
-        ChunkReceiver); raise unless they end up complete."""
+        ChunkReceiver), and hand any Rows message to `rows` (an Init's given rows); raise unless the chunks end up
+        complete."""
         receiver = ChunkReceiver(targets, names, wire_dtype(dtype), check_finite=True)
         while (msg := self._next()) is not None:
-            if not isinstance(msg, codec.Chunk):
-                raise MalformedStream("only chunks may follow the header")
-            receiver.add(msg.piece, msg.offset, msg.data)
+            if isinstance(msg, codec.Chunk):
+                receiver.add(msg.piece, msg.offset, msg.data)
+            elif rows is not None and msg.WhichOneof("kind") == "rows":
+                rows(msg.rows)
+            else:
+                raise MalformedStream("only chunks" + (" and rows" if rows else "") + " may follow the header")
         receiver.finish()
 
 
@@ -178,8 +191,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     mode=modes.mode_wire(c.mode),
                     workers=c.workers,
                     optimizer=c.optimizer,
-                    lr=c.lr,
                     job_name=c.job_name,
+                    **{name: getattr(c, name) for name in schedules.FIELDS},
                 ),
                 initialized=d.initialized,
                 model_digest=d.digest,
@@ -224,7 +237,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     header.model_digest,
                     tables_from_proto(header.tables),
                 )
-                stream.receive(model.views(model.params.numpy()), model.labels, header.dtype)
+                given = GivenRows(model.tables)
+                stream.receive(model.views(model.params.numpy()), model.labels, header.dtype, given.add)
+                given.finish()
                 return ps_pb2.InitResponse(version=self.shard.commit_init(model))
         finally:
             # An Init, taken or refused, leaves the slices gRPC read its stream into free but resident.
@@ -246,6 +261,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     yield codec.encode_chunk(piece, offset, data)
             finally:
                 sink.release()
+
+    def ExportRows(self, request: ps_pb2.ExportRowsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        with rpc_errors(context, "ExportRows", self.handler.rejected):
+            r = request
+            for message in export_rows(self.shard, r.model_digest, r.table, r.optimizer_state, r.header_only):
+                yield message.SerializeToString()
 
     def Push(
         self, request_iterator: Iterator[ps_pb2.PushMessage], context: grpc.ServicerContext

@@ -454,10 +454,11 @@ class RowGroup:
         if len(states) != len(group.specs):
             raise ValueError(f"{len(states)} table states for a group of {len(group.specs)} tables")
         for tag, (spec, state) in enumerate(zip(group.specs, states, strict=True)):
-            group._load(tag, checked_state(spec, group.state_cols, state))
+            group.load(tag, checked_state(spec, group.state_cols, state))
         return group
 
-    def _load(self, tag: int, a: dict[str, np.ndarray]) -> None:
+    def load(self, tag: int, a: dict[str, np.ndarray]) -> None:
+        """Add the rows of a checked state (table_state.checked_state) to table `tag`, none of whose IDs it holds."""
         self.steps[tag] = int(a["step"][0])
         n = len(a["ids"])
         tags = np.full(n, tag, dtype=np.int32) if self.tagged else None
@@ -494,5 +495,5 @@ class RowTable(RowGroup):
     ) -> RowTable:
         """A table holding exactly what `state()` returned; ValueError when the arrays do not fit together."""
         table = cls(spec, optimizer, lr, seed_rng)
-        table._load(0, checked_state(spec, table.state_cols, state))
+        table.load(0, checked_state(spec, table.state_cols, state))
         return table

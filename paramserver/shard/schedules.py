@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from paramserver.config import ServerConfig
@@ -55,11 +55,25 @@ def check(config: ServerConfig) -> None:
         raise ValueError(f"min_lr must be in [0, lr], not {config.min_lr}")
 
 
-def lr_at(config: ServerConfig, version: int) -> float:
-    """The learning rate of the update that makes `version` (1 for the first update)."""
+# The settings a schedule reads: ServerConfig's fields, and JobInfo's in ps.proto (SPEC.md section 7a), by one name.
+FIELDS = (
+    "lr",
+    "lr_schedule",
+    "warmup_versions",
+    "warmup_start_factor",
+    "decay_versions",
+    "min_lr",
+    "step_every",
+    "gamma",
+)
+
+
+def lr_at(config: ServerConfig | Any, version: int) -> float:
+    """The learning rate of the update that makes `version` (1 for the first update). `config`: a ServerConfig, or
+    anything with its schedule's FIELDS (a worker reads them from Topology.job)."""
     k = max(0, version - 1)  # torch's scheduler step whose rate this update uses
     w = config.warmup_versions
     if k < w:
         s = config.warmup_start_factor
-        return config.lr * (s + (1 - s) * k / w)
-    return SCHEDULES[config.lr_schedule](config, k - w)
+        return float(config.lr * (s + (1 - s) * k / w))
+    return float(SCHEDULES[config.lr_schedule or "constant"](config, k - w))

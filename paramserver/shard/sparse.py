@@ -266,9 +266,14 @@ class ShardTables:
             out.append(_Batch(g, where, joined(parts), values, tags, tables, starts))
         return out
 
-    def check(self, blocks: Sequence[RowBlock]) -> None:
+    def group_of(self, table: int) -> int:
+        """The group (index in `groups`) holding this table's rows."""
+        return int(self._group_of[table])
+
+    def check(self, blocks: Sequence[RowBlock], what: str = "the rows' gradients") -> None:
         """Refuse (InvalidArgument) IDs this shard cannot take: outside a bounded table, held by another shard,
-        twice in one request; and values that are NaN or infinite. Nothing is changed either way."""
+        twice in one request; and values that are NaN or infinite (`what` they are, for the message). Nothing is
+        changed either way."""
         seen: set[int] = set()
         for block in blocks:
             if block.values is not None:
@@ -278,9 +283,9 @@ class ShardTables:
                     )
                 seen.add(block.table)
         for batch in self._batches(blocks):
-            self._check_batch(blocks, batch)
+            self._check_batch(blocks, batch, what)
 
-    def _check_batch(self, blocks: Sequence[RowBlock], batch: _Batch) -> None:
+    def _check_batch(self, blocks: Sequence[RowBlock], batch: _Batch, what: str) -> None:
         ids = batch.ids
         if not len(ids):
             return
@@ -316,7 +321,7 @@ class ShardTables:
         if batch.values is not None and not np.isfinite(batch.values).all():
             finite = np.isfinite(batch.values).all(axis=1)
             name = self.specs[batch.table_at(int(np.argmin(finite)))].name
-            raise InvalidArgument(f"table {name!r}: NaN or Inf in the rows' gradients")
+            raise InvalidArgument(f"table {name!r}: NaN or Inf in {what}")
 
     def check_room(self, blocks: Sequence[RowBlock]) -> None:
         """Refuse (TooLarge: RESOURCE_EXHAUSTED) a push whose new rows would take the tables past the shard's
@@ -333,6 +338,26 @@ class ShardTables:
                 f"this push would make rows of {grow} bytes, and the tables of shard {self.index} hold {self.nbytes} "
                 f"of their limit of {limit} (--max-table-bytes); raise it, add shards, or let rows be evicted "
                 "(--table-overflow evict, or a table's capacity / evict_after_*)"
+            )
+
+    def give(self, blocks: Sequence[RowBlock], now: float) -> None:
+        """Hold these checked rows (none held yet) from the start: version 0, optimizer state zero (an Init's given
+        rows, paramserver.shard.given_rows)."""
+        for block in blocks:
+            assert block.values is not None
+            group, tag, n = self.groups[self.group_of(block.table)], int(self._tag_of[block.table]), len(block.ids)
+            group.load(
+                tag,
+                {
+                    "ids": block.ids,
+                    "values": block.values,
+                    "optimizer_state": np.zeros((n, group.state_cols), np.float32),
+                    "versions": np.zeros(n, np.int64),
+                    "times": np.full(n, now),
+                    "count_ids": np.empty(0, np.int64),
+                    "counts": np.empty(0, np.int64),
+                    "step": np.array([group.steps[tag]], np.int64),
+                },
             )
 
     # -- reads and updates ---------------------------------------------------------------------------------------

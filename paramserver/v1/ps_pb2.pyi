@@ -111,18 +111,32 @@ class Chunk(_message.Message):
     def __init__(self, piece: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("mode", "workers", "optimizer", "lr", "job_name")
+    __slots__ = ("mode", "workers", "optimizer", "lr", "job_name", "lr_schedule", "warmup_versions", "warmup_start_factor", "decay_versions", "min_lr", "step_every", "gamma")
     MODE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
+    LR_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_START_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    DECAY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    MIN_LR_FIELD_NUMBER: _ClassVar[int]
+    STEP_EVERY_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     workers: int
     optimizer: str
     lr: float
     job_name: str
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., job_name: _Optional[str] = ...) -> None: ...
+    lr_schedule: str
+    warmup_versions: int
+    warmup_start_factor: float
+    decay_versions: int
+    min_lr: float
+    step_every: int
+    gamma: float
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., job_name: _Optional[str] = ..., lr_schedule: _Optional[str] = ..., warmup_versions: _Optional[int] = ..., warmup_start_factor: _Optional[float] = ..., decay_versions: _Optional[int] = ..., min_lr: _Optional[float] = ..., step_every: _Optional[int] = ..., gamma: _Optional[float] = ...) -> None: ...
 
 class GetTopologyRequest(_message.Message):
     __slots__ = ()
@@ -215,18 +229,62 @@ class InitHeader(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_shards: _Optional[int] = ..., model_digest: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
 
 class InitMessage(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "rows")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     header: InitHeader
     chunk: Chunk
-    def __init__(self, header: _Optional[_Union[InitHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+    rows: Rows
+    def __init__(self, header: _Optional[_Union[InitHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., rows: _Optional[_Union[Rows, _Mapping]] = ...) -> None: ...
 
 class InitResponse(_message.Message):
     __slots__ = ("version",)
     VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class ExportRowsRequest(_message.Message):
+    __slots__ = ("model_digest", "table", "optimizer_state", "header_only")
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
+    HEADER_ONLY_FIELD_NUMBER: _ClassVar[int]
+    model_digest: str
+    table: int
+    optimizer_state: bool
+    header_only: bool
+    def __init__(self, model_digest: _Optional[str] = ..., table: _Optional[int] = ..., optimizer_state: _Optional[bool] = ..., header_only: _Optional[bool] = ...) -> None: ...
+
+class ExportRowsMessage(_message.Message):
+    __slots__ = ("header", "rows")
+    class Header(_message.Message):
+        __slots__ = ("count", "dim", "state_cols", "version")
+        COUNT_FIELD_NUMBER: _ClassVar[int]
+        DIM_FIELD_NUMBER: _ClassVar[int]
+        STATE_COLS_FIELD_NUMBER: _ClassVar[int]
+        VERSION_FIELD_NUMBER: _ClassVar[int]
+        count: int
+        dim: int
+        state_cols: int
+        version: int
+        def __init__(self, count: _Optional[int] = ..., dim: _Optional[int] = ..., state_cols: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    class Rows(_message.Message):
+        __slots__ = ("count", "ids", "values", "state")
+        COUNT_FIELD_NUMBER: _ClassVar[int]
+        IDS_FIELD_NUMBER: _ClassVar[int]
+        VALUES_FIELD_NUMBER: _ClassVar[int]
+        STATE_FIELD_NUMBER: _ClassVar[int]
+        count: int
+        ids: bytes
+        values: bytes
+        state: bytes
+        def __init__(self, count: _Optional[int] = ..., ids: _Optional[bytes] = ..., values: _Optional[bytes] = ..., state: _Optional[bytes] = ...) -> None: ...
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    header: ExportRowsMessage.Header
+    rows: ExportRowsMessage.Rows
+    def __init__(self, header: _Optional[_Union[ExportRowsMessage.Header, _Mapping]] = ..., rows: _Optional[_Union[ExportRowsMessage.Rows, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "min_version", "dtype", "incarnation")

@@ -62,6 +62,11 @@ class ParameterServerStub:
                 request_serializer=paramserver_dot_v1_dot_ps__pb2.InitMessage.SerializeToString,
                 response_deserializer=paramserver_dot_v1_dot_ps__pb2.InitResponse.FromString,
                 _registered_method=True)
+        self.ExportRows = channel.unary_stream(
+                '/paramserver.v1.ParameterServer/ExportRows',
+                request_serializer=paramserver_dot_v1_dot_ps__pb2.ExportRowsRequest.SerializeToString,
+                response_deserializer=paramserver_dot_v1_dot_ps__pb2.ExportRowsMessage.FromString,
+                _registered_method=True)
         self.Pull = channel.unary_stream(
                 '/paramserver.v1.ParameterServer/Pull',
                 request_serializer=paramserver_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
@@ -122,10 +127,18 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Init(self, request_iterator, context):
-        """Client stream: InitHeader, then Chunks. ALREADY_EXISTS if this model is held, FAILED_PRECONDITION if another
-        is, INVALID_ARGUMENT for a malformed or incomplete stream or a header past a bound (too many tensors, a name or
-        shape too long), RESOURCE_EXHAUSTED for a model or a message over the limit, UNAVAILABLE while another worker's
+        """Client stream: InitHeader, then Chunks and Rows. ALREADY_EXISTS if this model is held, FAILED_PRECONDITION if
+        another is, INVALID_ARGUMENT for a malformed or incomplete stream or a header past a bound (too many tensors, a
+        name or shape too long), rows that are not this shard's, out of bound, given twice or not finite, RESOURCE_EXHAUSTED for a model or a message over the limit, UNAVAILABLE while another worker's
         Init runs (one at a time: retry, then the model is held).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportRows(self, request, context):
+        """Server stream: the rows of one table this shard holds (ExportRowsRequest). FAILED_PRECONDITION before init or
+        for another model, INVALID_ARGUMENT for a table index past the model's tables.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -196,6 +209,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Init,
                     request_deserializer=paramserver_dot_v1_dot_ps__pb2.InitMessage.FromString,
                     response_serializer=paramserver_dot_v1_dot_ps__pb2.InitResponse.SerializeToString,
+            ),
+            'ExportRows': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportRows,
+                    request_deserializer=paramserver_dot_v1_dot_ps__pb2.ExportRowsRequest.FromString,
+                    response_serializer=paramserver_dot_v1_dot_ps__pb2.ExportRowsMessage.SerializeToString,
             ),
             'Pull': grpc.unary_stream_rpc_method_handler(
                     servicer.Pull,
@@ -356,6 +374,33 @@ class ParameterServer:
             '/paramserver.v1.ParameterServer/Init',
             paramserver_dot_v1_dot_ps__pb2.InitMessage.SerializeToString,
             paramserver_dot_v1_dot_ps__pb2.InitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/paramserver.v1.ParameterServer/ExportRows',
+            paramserver_dot_v1_dot_ps__pb2.ExportRowsRequest.SerializeToString,
+            paramserver_dot_v1_dot_ps__pb2.ExportRowsMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,7 +12,7 @@ import logging
 import secrets
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -38,6 +38,7 @@ from paramserver.transport import shm
 from paramserver.transport.socket_client import FrameClient, split_host
 from paramserver.v1 import ps_pb2
 from worker.client.binding import Binding
+from worker.client.rows import given_rows
 from worker.client.transports import Answer, DataSocket, Grpc, Job, SharedMemory, SparseJob, Transport, Turns
 
 log = logging.getLogger(__name__)
@@ -186,9 +187,29 @@ class ShardLink:
             tables=[spec_to_proto(t) for t in b.placement.tables],
         )
         try:
-            self.call(lambda: self.rpc.init(header, b.views(k, b.weights_now()), self._session.timeout))
+            n, timeout = b.placement.num_shards, self._session.timeout
+            self.call(lambda: self.rpc.init(header, b.views(k, b.weights_now()), timeout, given_rows(b, k, n)))
         except AlreadyInitialized:
             pass  # another worker won the race with the same model: adopt it
+
+    def export_rows(
+        self, digest: str, table: int, optimizer_state: bool, header_only: bool = False
+    ) -> Iterator[ps_pb2.ExportRowsMessage.Header | ps_pb2.ExportRowsMessage.Rows]:
+        """This shard's rows of one table (ExportRows): its header first (retried while the shard is unavailable),
+        then (unless `header_only`) the rows, about 1 MiB at a time."""
+        req = ps_pb2.ExportRowsRequest(
+            model_digest=digest, table=table, optimizer_state=optimizer_state, header_only=header_only
+        )
+        stream: Iterator[ps_pb2.ExportRowsMessage] = iter(())
+
+        def first() -> ps_pb2.ExportRowsMessage:
+            nonlocal stream
+            stream = self.rpc.stub.ExportRows(req, timeout=self._session.timeout)
+            return next(stream)
+
+        yield self.retry(first).header
+        while (message := self.call(lambda: next(stream, None))) is not None:
+            yield message.rows
 
     # -- exchanges ---------------------------------------------------------------------------------------------
 

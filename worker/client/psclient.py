@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -30,6 +31,7 @@ from paramserver.security import channel_credentials, client_ssl_context, open_c
 from paramserver.transport import shm
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire.chunks import CHUNK_BYTES, itemsize, wire_dtype
+from worker.client import model_file
 from worker.client.binding import Binding, TensorDict, Tensors, tensors_of
 from worker.client.channels import REPLICA_KEEPALIVE, channel_options, first_contact
 from worker.client.link import Session, ShardLink
@@ -50,6 +52,8 @@ __all__ = ["INLINE_BYTES", "PSClient", "Tensors"]
 
 class _Rows:
     """A registered SparseEmbedding's view of its client: lookups of its table (see worker.client.sparse.RowSource)."""
+
+    trains = True
 
     def __init__(self, client: PSClient, binding: Binding, table: int) -> None:
         self._client = client
@@ -303,7 +307,14 @@ class PSClient:
         self._session.registered = b
         for index, module in enumerate(b.tables):
             module.attach(_Rows(self, b, index), b.uniques)
+            module.given = None  # on the shards now (or theirs were adopted): memory back
         return self.pull(obj)
+
+    def save(self, model: torch.nn.Module, path: str | os.PathLike[str], *, optimizer_state: bool = False) -> None:
+        """Write the registered `model` to one safetensors file at `path`: its dense tensors and buffers as the shards
+        hold them, and every table's rows, streamed shard by shard (see worker.client.model_file). `worker.load`
+        puts it into a model that then predicts with no server. `optimizer_state`: also each row's."""
+        model_file.save(self, model, path, optimizer_state=optimizer_state)
 
     def lookup(self, obj: Tensors, table: int, ids: np.ndarray) -> np.ndarray:
         """The current rows of table `table` (its index among the model's SparseEmbedding modules) for these unique

@@ -1,13 +1,17 @@
 """The sparse part of a push: which shard holds each ID, and each shard's rows of a model's tables for one exchange
-(the row gradients their forward passes left, and the rows of the IDs they were told to prefetch)."""
+(the row gradients their forward passes left, and the rows of the IDs they were told to prefetch); and the rows a
+model's tables give the shards when they are first initialised (make_sparse's converted weights)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
+import torch
 
 from paramserver.tables import shard_of
+from paramserver.v1 import ps_pb2
+from paramserver.wire.chunks import CHUNK_BYTES
 from worker.client.binding import Binding
 from worker.client.sparse import SparseEmbedding
 from worker.client.transports import SparseJob, TableRows
@@ -77,3 +81,21 @@ def row_jobs(b: Binding, num_shards: int) -> tuple[list[SparseJob | None] | None
             module.fetched(ids, out)
 
     return (jobs if found else None), deliver
+
+
+def given_rows(b: Binding, shard: int, num_shards: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """The Init messages giving one shard its rows of the tables that bring initial rows (SparseEmbedding.given:
+    the rows of IDs 0..N-1), about `chunk_bytes` each."""
+    for index, module in enumerate(b.tables):
+        given = module.given
+        if given is None:
+            continue
+        rows = given.detach().to("cpu", dtype=torch.float32).contiguous().numpy()
+        ids = np.arange(len(rows), dtype=np.int64)
+        if num_shards > 1:
+            ids = ids[shard_of(ids, num_shards) == shard]
+        per = max(1, chunk_bytes // (8 + 4 * module.dim))
+        for lo in range(0, len(ids), per):
+            part = ids[lo : lo + per]
+            entry = ps_pb2.Rows(table=index, count=len(part), ids=part.tobytes(), values=rows[part].tobytes())
+            yield ps_pb2.InitMessage(rows=entry).SerializeToString()

@@ -137,7 +137,9 @@ class Outgoing:
 
 
 class RowSource(Protocol):
-    """Where a registered table reads its rows: its PSClient (see PSClient.register)."""
+    """Where a table reads its rows: its PSClient (see PSClient.register), or a saved model's file (worker.load)."""
+
+    trains: bool  # whether its rows take gradients (pushed to the shards), or only serve lookups
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """The current rows of these unique int64 IDs, float32 [len(ids), dim]."""
@@ -164,7 +166,15 @@ class SparseEmbedding(nn.Module):
     - `evict_after_versions`, `evict_after_seconds`: rows no update touched for that long are dropped (they read
       as initial again); `capacity`: rows per shard, the least recently updated dropped beyond it.
 
-    The module holds no tensors of its own: `state_dict()` does not contain the table (it lives on the shards).
+    As in nn.Embedding and nn.EmbeddingBag: `padding_idx` names an ID whose row gets no gradient (and which a bag
+    leaves out); `include_last_offset` says the offsets end with the last bag's end; `forward(ids)` of a bag table
+    takes 2-D ids as bags of equal length, and `per_sample_weights` weighs a "sum" bag's rows.
+
+    `given`: the rows of IDs 0..N-1 that the first `client.register` sends the shards (a converted nn.Embedding's
+    weights: worker.make_sparse); dropped once registered. None: the rows start as `init` says.
+
+    The module holds no tensors of its own: `state_dict()` does not contain the table (it lives on the shards;
+    `PSClient.save` writes it, `worker.load` reads it back).
     """
 
     def __init__(
@@ -183,13 +193,21 @@ class SparseEmbedding(nn.Module):
         evict_after_versions: int = 0,
         evict_after_seconds: float = 0.0,
         capacity: int = 0,
+        padding_idx: int | None = None,
+        include_last_offset: bool = False,
+        given: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be None, 'sum' or 'mean', not {mode!r}")
+        if given is not None and (given.dim() != 2 or given.shape[1] != dim):
+            raise ValueError(f"given rows must be [N, {dim}], not {list(given.shape)}")
         self.dim = dim
         self.num_embeddings = num_embeddings
         self.mode = mode
+        self.padding_idx = padding_idx
+        self.include_last_offset = include_last_offset
+        self.given = given
         self._options = dict(
             dim=dim,
             num_embeddings=num_embeddings or 0,
@@ -216,7 +234,8 @@ class SparseEmbedding(nn.Module):
     def extra_repr(self) -> str:
         bound = f", num_embeddings={self.num_embeddings}" if self.num_embeddings else ""
         pooled = f", mode={self.mode!r}" if self.mode else ""
-        return f"dim={self.dim}{bound}{pooled}"
+        padded = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return f"dim={self.dim}{bound}{pooled}{padded}"
 
     def attach(self, source: RowSource | None, uniques: UniqueCache | None = None) -> None:
         """Read rows from `source` from now on (PSClient.register calls this; `uniques`: shared by the model's
@@ -285,7 +304,9 @@ class SparseEmbedding(nn.Module):
                     return rows
         return None
 
-    def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         st = self._step
         if st.source is None:
             raise RuntimeError(
@@ -297,9 +318,12 @@ class SparseEmbedding(nn.Module):
                 f"embedding IDs are integers, not {ids.dtype}: a float tensor rounds IDs (float32 from 2^24 on), so "
                 "two IDs could read one row; keep the IDs in an integer tensor (as nn.Embedding takes them)"
             )
-        if (self.mode is None) != (offsets is None):
+        if self.mode is None and (offsets is not None or per_sample_weights is not None):
+            raise ValueError("mode None takes ids alone; mode 'sum' or 'mean' pools bags (offsets, or 2-D ids)")
+        if self.mode is not None and (ids.dim() != 2 if offsets is None else ids.dim() != 1):
             raise ValueError(
-                "mode None takes ids alone; mode 'sum' or 'mean' takes 1-D ids and the offsets where each bag starts"
+                f"mode {self.mode!r} takes 1-D ids and the offsets where each bag starts, or 2-D ids (a bag a row), "
+                f"not {ids.dim()}-D ids {'with' if offsets is not None else 'without'} offsets"
             )
         wanted, inverse, parts = self._unique(ids)
         fetched = self._ready_rows(wanted)
@@ -309,14 +333,26 @@ class SparseEmbedding(nn.Module):
                 f"the shards sent rows of shape {tuple(rows.shape)} for {len(wanted)} IDs of dim {self.dim}"
             )
         rows = rows.to(ids.device)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and st.source.trains:
             rows.requires_grad_(True)
             st.touched.append((wanted, rows, parts))
-        if offsets is None:
-            if self.dim <= NARROW:
+        pad = None
+        if self.padding_idx is not None:
+            at = np.flatnonzero(wanted == self.padding_idx)
+            pad = int(at[0]) if len(at) else None
+        if self.mode is None:
+            if self.dim <= NARROW and pad is None:
                 return rows.index_select(0, inverse.reshape(-1)).reshape(*ids.shape, self.dim)
-            return F.embedding(inverse.reshape(ids.shape), rows)
-        return F.embedding_bag(inverse, rows, offsets, mode=self.mode or "mean")
+            return F.embedding(inverse.reshape(ids.shape), rows, padding_idx=pad)
+        return F.embedding_bag(
+            inverse.reshape(ids.shape),
+            rows,
+            offsets,
+            mode=self.mode,
+            per_sample_weights=per_sample_weights,
+            include_last_offset=self.include_last_offset,
+            padding_idx=pad,
+        )
 
     def _unique(self, ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, list[slice | None] | None]:
         """The unique IDs (int64, on the CPU), each ID's position among them, and each shard's slice of them: those

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -229,13 +229,17 @@ class Grpc(Transport):
             return self._inline(job)
         return self.pool.submit(self._streams, job).result
 
-    def init(self, header: ps_pb2.InitHeader, views: list[np.ndarray], timeout: float) -> None:
-        """Send an Init stream: the header, then the initial weights in chunks."""
+    def init(
+        self, header: ps_pb2.InitHeader, views: list[np.ndarray], timeout: float, rows: Iterable[bytes] = ()
+    ) -> None:
+        """Send an Init stream: the header, then the initial weights in chunks, then `rows` (InitMessages giving
+        tables' initial rows)."""
 
         def messages() -> Iterator[bytes]:
             yield ps_pb2.InitMessage(header=header).SerializeToString()
             for piece, offset, data in iter_chunks(views, ps_pb2.FLOAT32, self._chunk_bytes):
                 yield codec.encode_chunk(piece, offset, data)
+            yield from rows
 
         self.raw.init(messages(), timeout=timeout)
 

@@ -156,7 +156,11 @@ class TrainConfig:
         "draw the loss and the test accuracy (classification) over time into this PNG (needs matplotlib: pip install "
         "'paramserver[plot]')",
     )
-    save_model: str | None = config_field(None, "save the trained weights as a torch state_dict to this file")
+    save_model: str | None = config_field(
+        None,
+        "save the trained model to this safetensors file (PSClient.save): its weights, buffers and every table's "
+        "rows as the shards hold them at the end; worker.load(model, path) serves it without servers",
+    )
     tensorboard: str | None = config_field(
         None,
         "write TensorBoard scalars into this directory (worker-RANK/ under it): loss, samples/s, exchange seconds "

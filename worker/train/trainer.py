@@ -46,12 +46,6 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
-def save_state_dict(model: torch.nn.Module, path: str) -> None:
-    """Write the model's state_dict (CPU tensors) atomically: a temp file, then rename."""
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    atomic_write(path, lambda f: torch.save(state, f))
-
-
 def write_json(path: str, doc: dict[str, Any]) -> None:
     """Write a JSON document atomically."""
     atomic_write(path, json.dumps(doc, indent=2) + "\n")
@@ -330,9 +324,9 @@ def train(
             "input_wait_seconds": round(data.waited, 4) if isinstance(data, StreamedDataset) else 0.0,
             "config": asdict(config),
         }
+        if config.save_model:
+            client.save(model, config.save_model)
         client.leave(finished=True)
-    if config.save_model:
-        save_state_dict(model, config.save_model)
     if config.metrics_out:
         write_json(config.metrics_out, metrics)
     if config.plot:
