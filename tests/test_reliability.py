@@ -173,8 +173,6 @@ def test_a_worker_kept_waiting_by_another_init_asks_again_soon_then_less_often(
     """While another worker's Init holds a shard, a registering worker asks again after 5 ms, then twice as long
     each time up to 0.1 s (a small model's Init is over in milliseconds, and a sync job's first round waits for
     its last worker to register); once the slot is free, it initialises the shard itself."""
-    import worker.client.psclient
-
     cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="sgd", lr=1.0), shards=1)
     waits: list[float] = []
     real_sleep = time.sleep
@@ -183,7 +181,7 @@ def test_a_worker_kept_waiting_by_another_init_asks_again_soon_then_less_often(
         waits.append(seconds)  # every thread's: nothing else in this process sleeps while the test waits
         real_sleep(seconds)
 
-    monkeypatch.setattr(worker.client.psclient.time, "sleep", sleep)
+    monkeypatch.setattr(time, "sleep", sleep)  # the time module's own: the link's backoff reads it
     model = {"w": torch.arange(8, dtype=torch.float32)}
     with PSClient(cluster.address, timeout=CALL_TIMEOUT) as client:
         registered = threading.Event()

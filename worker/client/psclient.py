@@ -9,13 +9,10 @@ which push their values and pull the job's (see worker.client.binding).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
-import time
 import uuid
-from collections.abc import Callable, Sequence
 from concurrent import futures
 from types import TracebackType
 from typing import Any, TypeVar
@@ -24,17 +21,19 @@ import grpc
 import numpy as np
 import torch
 
-from paramserver.errors import JobFull, PSError, PullTimeout, UnknownWorker
+from paramserver.errors import PSError, PullTimeout
 from paramserver.modes import mode_name
 from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
 from paramserver.security import channel_credentials, client_ssl_context, open_channel
 from paramserver.transport import shm
-from paramserver.v1 import ps_pb2, ps_pb2_grpc
+from paramserver.v1 import ps_pb2_grpc
 from paramserver.wire.chunks import CHUNK_BYTES, itemsize, wire_dtype
 from worker.client import model_file
 from worker.client.binding import Binding, TensorDict, Tensors, tensors_of
 from worker.client.channels import REPLICA_KEEPALIVE, channel_options, first_contact
+from worker.client.fanout import each, fan_out
 from worker.client.link import Session, ShardLink
+from worker.client.membership import Membership
 from worker.client.rows import by_shard, row_jobs
 from worker.client.sparse import tables_of
 from worker.client.transports import INLINE_BYTES, NO_TURNS, SparseJob, TableRows, Turns
@@ -42,10 +41,6 @@ from worker.client.transports import INLINE_BYTES, NO_TURNS, SparseJob, TableRow
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# How long a Join waits for a place in a full job: three of the shards' default lease timeouts (10 s), so that the
-# place of a worker that died just before (its lease still running) frees meanwhile.
-JOB_FULL_WAIT_S = 30.0
 
 __all__ = ["INLINE_BYTES", "PSClient", "Tensors"]
 
@@ -62,10 +57,6 @@ class _Rows:
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         return self._client._lookup(self._binding, self._table, ids)
-
-
-def _begin_and_wait(start: Callable[[ShardLink], Callable[[], T]], link: ShardLink) -> T:
-    return start(link)()
 
 
 class PSClient:
@@ -143,8 +134,6 @@ class PSClient:
         # One exchange or lookup on the links at a time: a forward pass's lookup waits for an exchange that another
         # thread runs (worker.train.overlap). Re-entrant: a failed exchange's caller may pull on the same thread.
         self._links_busy = threading.RLock()
-        self._closing = threading.Event()
-        self._heartbeat: threading.Thread | None = None
         self.links: tuple[ShardLink, ...] = ()
 
         # The channel's own retries would keep each try at a refused address going for seconds, unsaid.
@@ -181,6 +170,7 @@ class PSClient:
             )
             for k, a in enumerate(self.addresses)
         )
+        self._membership = Membership(self.links, self._session, self._pool)
         if join:
             try:
                 self.join()
@@ -196,61 +186,9 @@ class PSClient:
     # -- membership --------------------------------------------------------------------------------------------
 
     def join(self) -> None:
-        """Join the job on every shard (shard 0 first: its rank is the one that counts)."""
-        first = self._join_first()
-        self.rank, self.world_size = first.rank, first.world_size
-        others = self._each(ShardLink.join, self.links[1:], rejoin=False)
-        leases = [first.lease_timeout_s] + [r.lease_timeout_s for r in others]
-        self._session.joined = True
-        lease = min(x for x in leases if x > 0) if any(x > 0 for x in leases) else 10.0
-        if self._heartbeat is None:
-            # Renew the lease while the worker computes or waits, well within the lease timeout.
-            self._heartbeat = threading.Thread(target=self._beat, args=(lease / 3,), name="ps-heartbeat", daemon=True)
-            self._heartbeat.start()
-
-    def _join_first(self) -> ps_pb2.JoinResponse:
-        """Join shard 0, waiting while the job is full: a place held by a worker that died (or by a Join that
-        never came back) frees once its lease runs out, so a worker restarted at once gets in then."""
-        began = time.monotonic()
-        while True:
-            try:
-                return self.links[0].retry(self.links[0].join, rejoin=False)
-            except JobFull as exc:
-                left = began + JOB_FULL_WAIT_S - time.monotonic()
-                if left <= 0:
-                    raise
-                log.warning("%s; trying again in %.1f s, giving up in %.0f s", exc, min(1.0, left), left)
-                time.sleep(min(1.0, left))
-
-    def _beat(self, interval: float) -> None:
-        failing: set[int] = set()  # shards whose last heartbeat failed: an outage is logged when it starts and ends
-        while not self._closing.wait(interval):
-            for k, link in enumerate(self.links):
-                if not self._session.joined or self._closing.is_set():
-                    break
-                try:
-                    link.heartbeat(interval)
-                except UnknownWorker:
-                    try:
-                        link.rejoin()
-                    except PSError as again:
-                        log.warning("re-joining shard %s failed: %s", link.address, again)
-                    continue
-                except PSError as exc:
-                    if k not in failing:
-                        failing.add(k)
-                        log.warning(
-                            "heartbeat to shard %s failed: %s; the shard evicts this worker if it hears nothing "
-                            "for its lease timeout",
-                            link.address,
-                            exc,
-                        )
-                    else:
-                        log.debug("heartbeat to %s failed again: %s", link.address, exc)
-                    continue
-                if k in failing:
-                    failing.discard(k)
-                    log.info("heartbeat to shard %s answered again", link.address)
+        """Join the job on every shard (shard 0 first: its rank is the one that counts), and renew the lease from
+        then on (see worker.client.membership)."""
+        self.rank, self.world_size = self._membership.join()
 
     def leave(self, finished: bool = False) -> None:
         """Leave the job on every shard; a sync round stops waiting for this worker.
@@ -258,10 +196,7 @@ class PSClient:
         `finished=True` says the worker completed its training: once every worker of the job has, shards run
         with exit_when_done stop by themselves.
         """
-        if not self._session.joined:
-            return
-        self._session.joined = False
-        self._each(lambda link: link.leave(finished), rejoin=False)
+        self._membership.leave(finished)
 
     # -- the model ---------------------------------------------------------------------------------------------
 
@@ -303,7 +238,7 @@ class PSClient:
     def register(self, obj: Tensors) -> int:
         """Initialise every shard from `obj`, or adopt the weights the shards already hold; return the version."""
         b = self._bind(obj)
-        self._each(lambda link: link.init(b))
+        each(self._pool, self.links, lambda link: link.init(b))
         self._session.registered = b
         for index, module in enumerate(b.tables):
             module.attach(_Rows(self, b, index), b.uniques)
@@ -340,7 +275,7 @@ class PSClient:
             else:
                 jobs.append(SparseJob([], [TableRows(table, ids[where], out=np.empty((len(where), dim), np.float32))]))
         busy = [link for link, job in zip(self.links, jobs, strict=True) if job is not None]
-        self._fan_out(lambda link: link.begin(b, None, 0, None, NO_TURNS, jobs[link.index]), busy)
+        fan_out(busy, lambda link: link.begin(b, None, 0, None, NO_TURNS, jobs[link.index]))
         for where, job in zip(parts, jobs, strict=True):
             if where is not None and job is not None:
                 out[where] = job.lookups[0].out
@@ -418,7 +353,7 @@ class PSClient:
         turns = Turns(len(self.links), self.timeout) if grads is not None and large else NO_TURNS
         sparse = rows or [None] * len(self.links)
         try:
-            versions = self._fan_out(lambda link: link.begin(b, grads, step, flats, turns, sparse[link.index]))
+            versions = fan_out(self.links, lambda link: link.begin(b, grads, step, flats, turns, sparse[link.index]))
         except PullTimeout:
             if grads is not None:
                 # A shard waits to answer a pull only once it has taken the push (or found its round closed).
@@ -429,61 +364,11 @@ class PSClient:
             b.unmirror_weights()
         return min(versions)
 
-    # -- fanning out -------------------------------------------------------------------------------------------
-
-    def _fan_out(
-        self, start: Callable[[ShardLink], Callable[[], T]], links: Sequence[ShardLink] | None = None
-    ) -> list[T]:
-        """Run an operation on every shard (or on `links`) at once: `start(link)` begins it and returns a function
-        that waits for its result. A shard that fails is then retried on its own (see ShardLink.retry); the first
-        failure that remains is raised, once every shard has finished."""
-        links = self.links if links is None else links
-        waits: list[Callable[[], T] | PSError] = [PSError()] * len(links)
-        for k in reversed(range(len(links))):  # shard 0 last: its wait may run in this thread
-            try:
-                waits[k] = links[k].call(functools.partial(start, links[k]))
-            except PSError as exc:
-                waits[k] = exc
-        results: list[T] = []
-        error: PSError | None = None
-        for link, wait in zip(links, waits, strict=True):
-            try:
-                if isinstance(wait, PSError):
-                    raise wait
-                results.append(link.call(wait))
-            except PSError as exc:
-                try:
-                    results.append(link.retry(functools.partial(_begin_and_wait, start, link), failed=exc))
-                except PSError as final:
-                    error = error or final
-        if error is not None:
-            raise error
-        return results
-
-    def _each(
-        self, fn: Callable[[ShardLink], T], links: Sequence[ShardLink] | None = None, rejoin: bool = True
-    ) -> list[T]:
-        """Run fn(link) for every link concurrently (each with its retries); raise the first failure."""
-        futs = [
-            self._pool.submit(link.retry, functools.partial(fn, link), rejoin)
-            for link in (self.links if links is None else links)
-        ]
-        results, error = [], None
-        for f in futs:
-            try:
-                results.append(f.result())
-            except PSError as exc:
-                error = error or exc
-        if error is not None:
-            raise error
-        return results
-
     def close(self) -> None:
         """Leave the job and close every channel; a call still in flight on another thread fails instead of
         retrying."""
-        self._closing.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join(timeout=5)
+        if self.links:
+            self._membership.stop()
         try:
             self.leave()
         except PSError as exc:
