@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: the local CPU wheel (an open range would pull a multi-GB CUDA build).
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# deepctr-torch for tests/test_third_party.py, without its declared dependencies (it uses only torch, tqdm and
+	# scikit-learn, all installed above; the others would pull more).
+	$(PY) -m pip install -q --no-deps deepctr-torch==0.3.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,262 @@
+"""Other people's code, unchanged, trained through the servers: deepctr-torch 0.3.0's DeepFM by its own `fit()`, and
+a LightningModule by PyTorch Lightning's Trainer (automatic optimization). Each with nothing but `make_sparse` and
+`PSOptimizer`; two workers in a sync job (threads, each with its own client and model) equal the same code trained
+locally with torch's SGD on the combined batches.
+
+Both libraries are installed by the Makefile (deepctr-torch with --no-deps: its declared dependencies would pull
+more than the torch, tqdm and scikit-learn it uses). deepctr-torch asks PyPI for its latest version on import, in a
+thread: the test imports it with requests.get failing at once, and waits for that thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from paramserver.config import ServerConfig
+from paramserver.server.cluster import LocalCluster
+from worker import PSClient, PSOptimizer, make_sparse
+
+pytestmark = pytest.mark.timeout(180)
+
+LR = 0.05
+WORKERS = 2
+BATCH = 64  # per worker; the local run's batches are twice this, the two workers' step-k batches one after the other
+STEPS = 12
+
+
+def _in_threads(work: list[Callable[[], None]]) -> None:
+    errors: list[BaseException] = []
+
+    def run(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(fn,), daemon=True) for fn in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert not any(t.is_alive() for t in threads), "a worker did not finish"
+    if errors:
+        raise errors[0]
+
+
+def _combined(parts: list[np.ndarray]) -> np.ndarray:
+    """The workers' rows as the local run sees them: step k's batch is worker 0's step-k batch, then worker 1's."""
+    blocks = [p[k * BATCH : (k + 1) * BATCH] for k in range(STEPS) for p in parts]
+    return np.concatenate(blocks)
+
+
+# -- deepctr-torch ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deepctr() -> Any:
+    before = set(threading.enumerate())
+    with mock.patch("requests.get", side_effect=OSError("no network in the tests")):
+        import deepctr_torch
+
+        for thread in set(threading.enumerate()) - before:  # its version check, failing at once
+            thread.join(10)
+    return deepctr_torch
+
+
+FIELDS = {"user": 300, "item": 500, "city": 40, "device": 7}
+DENSE = ("age", "price")
+
+
+def _click_data(rows: int, seed: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x: dict[str, np.ndarray] = {name: rng.integers(0, size, rows) for name, size in FIELDS.items()}
+    for name in DENSE:
+        x[name] = rng.random(rows).astype(np.float32)
+    logit = np.sin(x["user"] * 0.7) + np.cos(x["item"] * 1.3) + (x["device"] == 3) + x["age"] - 0.5
+    y = (rng.random(rows) < 1 / (1 + np.exp(-logit))).astype(np.float32)
+    return x, y
+
+
+def _deepfm(deepctr: Any) -> nn.Module:
+    from deepctr_torch.inputs import DenseFeat, SparseFeat
+
+    columns = [SparseFeat(name, size, embedding_dim=4) for name, size in FIELDS.items()]
+    columns += [DenseFeat(name, 1) for name in DENSE]
+    return deepctr.models.DeepFM(
+        columns,
+        columns,
+        task="binary",
+        dnn_hidden_units=(16, 8),
+        l2_reg_linear=0.0,
+        l2_reg_embedding=0.0,
+        l2_reg_dnn=0.0,
+        dnn_dropout=0.0,
+        seed=1024,
+        device="cpu",
+    )
+
+
+def test_deepctr_deepfm_trained_by_its_own_fit_through_the_servers_equals_local_training(
+    deepctr: Any, ps_cluster_factory: Callable[..., LocalCluster]
+) -> None:
+    config = ServerConfig(mode="sync", workers=WORKERS, optimizer="sgd", lr=LR)
+    cluster = ps_cluster_factory(config, shards=2)
+    x, y = _click_data(WORKERS * BATCH * STEPS + 512)
+    held_out = {k: v[-512:] for k, v in x.items()}
+    parts = [slice(r * BATCH * STEPS, (r + 1) * BATCH * STEPS) for r in range(WORKERS)]
+
+    reference = _deepfm(deepctr)
+    start = reference.predict(held_out, batch_size=512)
+    reference.compile(torch.optim.SGD(reference.parameters(), lr=LR), "binary_crossentropy")
+    local_x = {k: _combined([v[p] for p in parts]) for k, v in x.items()}
+    reference.fit(
+        local_x, _combined([y[p] for p in parts]), batch_size=WORKERS * BATCH, epochs=1, verbose=0, shuffle=False
+    )
+    want = reference.predict(held_out, batch_size=512)
+
+    got: dict[int, np.ndarray] = {}
+
+    def worker(rank: int) -> Callable[[], None]:
+        def run() -> None:
+            model = _deepfm(deepctr)
+            embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+            listed = [w for weights, _, _ in model.regularization_weight for w in weights if id(w) in embeddings]
+            assert listed, "deepctr no longer lists the tables' weights: the check below would tell nothing"
+            model = make_sparse(model)
+            assert not [m for m in model.modules() if isinstance(m, nn.Embedding)]
+            assert all(w.numel() == 0 for w in listed)  # deepctr's own list of the tables holds no copy of them
+            with PSClient(cluster.address) as client:
+                model.compile(PSOptimizer(model, client, loss_reduction="sum"), "binary_crossentropy")
+                mine = parts[client.rank]
+                model.fit(
+                    {k: v[mine] for k, v in x.items()}, y[mine], batch_size=BATCH, epochs=1, verbose=0, shuffle=False
+                )
+                got[client.rank] = model.predict(held_out, batch_size=512)
+                client.leave(finished=True)
+
+        return run
+
+    _in_threads([worker(r) for r in range(WORKERS)])
+    assert np.abs(want - start).max() > 1e-3, "training did not move the predictions: the test would not tell"
+    for rank in range(WORKERS):
+        print(f"deepctr rank {rank}: max |distributed - local| = {np.abs(got[rank] - want).max():.2e}")
+        assert np.allclose(got[rank], want, atol=1e-5), np.abs(got[rank] - want).max()
+
+
+# -- PyTorch Lightning -----------------------------------------------------------------------------------------------
+
+
+class Ranker(nn.Module):
+    """Plain torch: a user table, a bag of tags, and an MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.user = nn.Embedding(200, 8)
+        self.tags = nn.EmbeddingBag(100, 8, mode="mean")
+        self.mlp = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, user: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.cat([self.user(user), self.tags(tags)], 1)).squeeze(-1)
+
+
+def _ranking_data(rows: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    user = torch.randint(0, 200, (rows,), generator=g)
+    tags = torch.randint(0, 100, (rows, 3), generator=g)
+    y = ((user % 7) < 3).float() + 0.1 * torch.randn(rows, generator=g)
+    return TensorDataset(user, tags, y)
+
+
+def _lightning(net: nn.Module, optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> Any:
+    import pytorch_lightning as pl
+
+    class Task(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+            user, tags, y = batch
+            return nn.functional.mse_loss(self.net(user, tags), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return optimizer(self)
+
+    return Task()
+
+
+def _trainer() -> Any:
+    import pytorch_lightning as pl
+
+    return pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def test_a_lightning_module_trained_by_lightnings_trainer_through_the_servers_equals_local_training(
+    ps_cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    config = ServerConfig(mode="sync", workers=WORKERS, optimizer="sgd", lr=LR)
+    cluster = ps_cluster_factory(config, shards=2)
+    data = _ranking_data(WORKERS * BATCH * STEPS)
+    tensors = [t.numpy() for t in data.tensors]
+    parts = [slice(r * BATCH * STEPS, (r + 1) * BATCH * STEPS) for r in range(WORKERS)]
+    local = TensorDataset(*(torch.from_numpy(_combined([t[p] for p in parts])) for t in tensors))
+    probe = data.tensors[0][:64], data.tensors[1][:64]
+
+    reference = Ranker()
+    with torch.no_grad():
+        start = reference(*probe)
+    task = _lightning(reference, lambda m: torch.optim.SGD(m.parameters(), lr=LR))
+    _trainer().fit(task, DataLoader(local, batch_size=WORKERS * BATCH, shuffle=False))
+    with torch.no_grad():
+        want = reference(*probe)
+
+    got: dict[int, torch.Tensor] = {}
+
+    def worker(index: int) -> Callable[[], None]:
+        def run() -> None:
+            net = make_sparse(Ranker())
+            with PSClient(cluster.address) as client:
+                task = _lightning(net, lambda m: PSOptimizer(m, client))
+                mine = TensorDataset(*(torch.from_numpy(t[parts[client.rank]]) for t in tensors))
+                _trainer().fit(task, DataLoader(mine, batch_size=BATCH, shuffle=False))
+                with torch.no_grad():
+                    got[client.rank] = net(*probe)
+                client.leave(finished=True)
+
+        return run
+
+    _in_threads([worker(r) for r in range(WORKERS)])
+    assert (want - start).abs().max() > 1e-3, "training did not move the predictions: the test would not tell"
+    for rank in range(WORKERS):
+        print(f"lightning rank {rank}: max |distributed - local| = {(got[rank] - want).abs().max():.2e}")
+        assert torch.allclose(got[rank], want, atol=1e-5), (got[rank] - want).abs().max()
+
+
+def test_a_torch_lr_scheduler_on_the_ps_optimizer_is_refused_saying_where_schedules_run(
+    ps_cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=LR), shards=1)
+    model = make_sparse(copy.deepcopy(Ranker()))
+    with PSClient(cluster.address) as client:
+        optimizer = PSOptimizer(model, client)
+        with pytest.raises(TypeError, match=r"ps-server --lr-schedule"):
+            torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
