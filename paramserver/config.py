@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from paramserver import modes
@@ -296,3 +297,11 @@ class ServerConfig:
     def replace(self, **changes: Any) -> ServerConfig:
         """Return a copy with some fields changed."""
         return dataclasses.replace(self, **changes)
+
+
+def copy_dir(config: ServerConfig, copy: int) -> ServerConfig:
+    """A copy's config (--replicas 2): its own checkpoint directory (copy-R under the job's), as both copies may
+    share a disk."""
+    if config.replicas < 2 or not config.checkpoint_dir:
+        return config
+    return config.replace(checkpoint_dir=str(Path(config.checkpoint_dir) / f"copy-{copy}"))

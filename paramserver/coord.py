@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
@@ -134,3 +135,16 @@ class PartRegister:
         its revision), or None where another change came first."""
         revision = self.etcd.cas(self.key, new.to_json(), old.revision if old is not None else 0)
         return new.but(revision=revision) if revision else None
+
+    def mark_done(self, primary: int, tries: int = 10) -> None:
+        """Record that the job is done, while copy `primary` is the primary: read again and retry where a swap lost
+        to a change that came first or the coordinator did not answer in time (`tries` times)."""
+        for _ in range(tries):
+            try:
+                cfg = self.read()
+                if cfg is None or cfg.primary != primary or cfg.done:
+                    return
+                if self.swap(cfg, cfg.but(done=True)) is not None:
+                    return
+            except CoordinatorUnavailable:
+                time.sleep(0.1)

@@ -25,7 +25,7 @@ from torch import nn
 
 from paramserver import LocalCluster, ServerConfig
 from paramserver.placement import TensorSpec, digest, place
-from paramserver.shard import checkpoint
+from paramserver.shard import checkpoint, reads
 from paramserver.shard.state import Shard
 from worker import Overlap, PSClient
 from worker.data.datasets import load_dataset
@@ -98,7 +98,7 @@ def _pushed(gradient: list[float], values: list[float]) -> np.ndarray:
 
 def _held(shard: Shard) -> torch.Tensor:
     out = np.empty(8, dtype=np.float32)
-    shard.pull_into(out, 0, CLIENT_TIMEOUT)
+    reads.pull_into(shard, out, 0, CLIENT_TIMEOUT)
     return torch.from_numpy(out)
 
 

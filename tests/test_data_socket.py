@@ -229,7 +229,7 @@ def test_a_client_on_another_host_trains_over_the_data_socket(
         assert _on_data_socket(client) and _transports(client) == bells, "the client reconnected without a cause"
         for server, connection in zip(cluster.servers, _connections(client), strict=True):
             assert connection.peer == ("127.0.0.1", server.data_port)
-            ticket = server.shard.attachment(client.worker_id, server.shard.model)
+            ticket = server.shard.attachments.get(client.worker_id, server.shard.model)
             assert isinstance(ticket, Ticket) and ticket.elements == server.shard.model.numel and ticket.name == ""
 
 
@@ -597,7 +597,7 @@ def test_socket_attach_refusals_attach_nothing(raw: Raw) -> None:
     for ticket, code, kind in cases:
         assert raw.refused(lambda t=ticket: _attach(raw, t))[:2] == (code, kind), ticket
         with pytest.raises(NotAttached):
-            raw.shard.attachment(WORKER, model)
+            raw.shard.attachments.get(WORKER, model)
         want = UNKNOWN_WORKER if ticket.worker_id == "stranger" else NOT_ATTACHED
         if len(ticket.nonce) > 16:
             want = (INV.value[0], "OutOfBounds")
@@ -605,7 +605,7 @@ def test_socket_attach_refusals_attach_nothing(raw: Raw) -> None:
     # A good ticket is taken; a second one replaces it.
     first, second = _ticket(raw), _ticket(raw)
     _attach(raw, first)
-    assert raw.shard.attachment(WORKER, model) == Ticket(first.nonce, raw.elements)
+    assert raw.shard.attachments.get(WORKER, model) == Ticket(first.nonce, raw.elements)
     _attach(raw, second)
     assert _refused_hello(raw, first) == NOT_ATTACHED
     with _session(raw, second):
@@ -648,7 +648,7 @@ def test_a_shard_without_a_data_socket_refuses_the_attach_and_the_client_uses_gr
             stub.Attach(_hello(WORKER, shard), timeout=CALL_TIMEOUT)
     assert _status(info.value) == (FP, "DataSocketUnavailable")
     with pytest.raises(NotAttached):
-        shard.attachment(WORKER, shard.model)
+        shard.attachments.get(WORKER, shard.model)
 
 
 @pytest.mark.parametrize("how", ["listener-closed", "nothing-listens"])
@@ -857,14 +857,14 @@ def test_a_socket_attach_needs_the_bearer_token(
     with _client(cluster, auth_token="s3cret-token") as client:
         _train(client, _small_model())
         assert _on_data_socket(client)
-        held = shard.attachment(client.worker_id, shard.model)
+        held = shard.attachments.get(client.worker_id, shard.model)
         with grpc.insecure_channel(cluster.address) as channel:
             stub = ps_pb2_grpc.ParameterServerStub(channel)
             for metadata in ((), (("authorization", "Bearer wrong-token"),)):
                 with pytest.raises(grpc.RpcError) as info:
                     stub.Attach(_hello(client.worker_id, shard), timeout=CALL_TIMEOUT, metadata=metadata)
                 assert _status(info.value) == (grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated"), metadata
-        assert shard.attachment(client.worker_id, shard.model) is held, "a refused Attach replaced the ticket"
+        assert shard.attachments.get(client.worker_id, shard.model) is held, "a refused Attach replaced the ticket"
         model = _small_model()
         client.register(model)
         assert client.push_pull(_like(model, 9)) == 4 and _on_data_socket(client)

@@ -100,9 +100,9 @@ def _check_transport(cluster: LocalCluster, client: PSClient, transport: str) ->
     for shard in cluster.shards:
         if transport == "grpc":
             with pytest.raises(NotAttached):
-                shard.attachment(client.worker_id, shard.model)
+                shard.attachments.get(client.worker_id, shard.model)
         else:  # a shared-memory segment, or else a data-socket ticket
-            attached = shard.attachment(client.worker_id, shard.model)
+            attached = shard.attachments.get(client.worker_id, shard.model)
             assert isinstance(attached, shm.Segment) == (transport == "shared-memory"), transport
 
 

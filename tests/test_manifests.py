@@ -802,8 +802,7 @@ def test_checkpoints_and_results_land_on_the_shared_volume(rendered: Rendered) -
         assert not volume["readOnly"]
         claim = rendered.named("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
         assert "ReadWriteMany" in claim["spec"]["accessModes"], "shards on different nodes share the directory"
-        from paramserver.config import ServerConfig
-        from paramserver.server.replica import copy_dir
+        from paramserver.config import ServerConfig, copy_dir
 
         # Where this process writes: with --replicas 2 the server keeps each copy under copy-R of the directory.
         config = ServerConfig(

@@ -23,9 +23,10 @@ from paramserver.config import ServerConfig, from_arguments
 from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
 from paramserver.server.cli import build_parser
 from paramserver.server.cluster import LocalCluster, config_to_args
-from paramserver.shard import checkpoint, persistence, reshard
+from paramserver.shard import checkpoint, persistence
 from paramserver.shard.model import ShardModel, build_model
 from paramserver.shard.optimizers import decay_patterns
+from paramserver.shard.reshard_source import replay_config
 from worker import PSClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -273,7 +274,7 @@ def test_a_checkpoint_written_with_patterns_resumes_as_if_never_stopped(optimize
         assert torch.equal(m.params, r.params)
 
     # ps-reshard replays a log under the checkpoint's settings: the job's decay and patterns, not the group's 0
-    replay = reshard._replay_config(checkpoint.load_latest(tmp_path, 0), tmp_path, None)  # type: ignore[arg-type]
+    replay = replay_config(checkpoint.load_latest(tmp_path, 0), tmp_path, None)  # type: ignore[arg-type]
     assert (replay.weight_decay, replay.no_weight_decay) == (WD, PATTERNS)
 
 

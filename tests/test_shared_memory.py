@@ -429,10 +429,10 @@ def test_shared_memory_data_socket_and_streams_train_to_bit_identical_weights(
         assert all(link.transport.kind == "data socket" for link in c.links)
         # The shards know the shm client's segments (the very ones it created), the streams client has none.
         for k, shard in enumerate(fast.shards):
-            assert shard.segment(a.worker_id, shard.model).nonce == _segments(a)[k].nonce
+            assert shard.attachments.segment(a.worker_id, shard.model).nonce == _segments(a)[k].nonce
         for shard in slow.shards:
             with pytest.raises(NotAttached):
-                shard.segment(b.worker_id, shard.model)
+                shard.attachments.segment(b.worker_id, shard.model)
     assert [s.model.numel for s in fast.shards] == [s.model.numel for s in slow.shards]
     assert min(s.model.numel for s in fast.shards) > SLICE_ELEMENTS // 2, "the big tensor is sliced over both"
     for step, (x, y, z) in enumerate(zip(*runs, strict=True)):
@@ -1095,7 +1095,7 @@ def test_client_reattaches_when_its_doorbell_connection_is_lost(
         assert id(_segments(client)[1]) == old_ids[1] and _doorbells(client)[1] is old_bells[1], "shard 1 was fine"
         assert _inode(_segments(client)[1]) == old_inodes[1]
         shard = cluster.shards[0]
-        assert shard.segment(client.worker_id, shard.model).nonce == _segments(client)[0].nonce
+        assert shard.attachments.segment(client.worker_id, shard.model).nonce == _segments(client)[0].nonce
         expected = _local_sgd(start, grads[:2], lr)
         for name in expected:
             assert torch.equal(g[name], expected[name]), name

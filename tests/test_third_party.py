@@ -125,10 +125,12 @@ def test_deepctr_deepfm_trained_by_its_own_fit_through_the_servers_equals_local_
     want = reference.predict(held_out, batch_size=512)
 
     got: dict[int, np.ndarray] = {}
+    # Built here, one after the other: a model's seed is torch's global one, which two threads would interleave.
+    models = [_deepfm(deepctr) for _ in range(WORKERS)]
 
     def worker(rank: int) -> Callable[[], None]:
         def run() -> None:
-            model = _deepfm(deepctr)
+            model = models[rank]
             embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
             listed = [w for weights, _, _ in model.regularization_weight for w in weights if id(w) in embeddings]
             assert listed, "deepctr no longer lists the tables' weights: the check below would tell nothing"
@@ -230,10 +232,11 @@ def test_a_lightning_module_trained_by_lightnings_trainer_through_the_servers_eq
         want = reference(*probe)
 
     got: dict[int, torch.Tensor] = {}
+    nets = [make_sparse(Ranker()) for _ in range(WORKERS)]  # one after the other: Ranker seeds torch's global RNG
 
     def worker(index: int) -> Callable[[], None]:
         def run() -> None:
-            net = make_sparse(Ranker())
+            net = nets[index]
             with PSClient(cluster.address) as client:
                 task = _lightning(net, lambda m: PSOptimizer(m, client))
                 mine = TensorDataset(*(torch.from_numpy(t[parts[client.rank]]) for t in tensors))

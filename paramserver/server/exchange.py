@@ -29,6 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from paramserver.errors import MalformedStream, PSError
+from paramserver.shard import reads
 from paramserver.shard.model import ShardModel
 from paramserver.shard.sparse import RowBlock, SparseIn
 from paramserver.shard.state import Shard
@@ -201,7 +202,7 @@ class SegmentWeights(WeightsSink):
     def pull(
         self, shard: Shard, min_version: int, timeout: float, worker_id: str, reply: ps_pb2.ExchangeResponse
     ) -> tuple[int, ShardModel]:
-        return shard.pull_into(self._weights, min_version, timeout, worker_id), self._model
+        return reads.pull_into(shard, self._weights, min_version, timeout, worker_id), self._model
 
     def nbytes(self, reply: ps_pb2.ExchangeResponse) -> int:
         return int(self._weights.nbytes)
@@ -220,7 +221,9 @@ class LentWeights(WeightsSink):
     def pull(
         self, shard: Shard, min_version: int, timeout: float, worker_id: str, reply: ps_pb2.ExchangeResponse
     ) -> tuple[int, ShardModel]:
-        version, self._model, self._flat = self._lent.enter_context(shard.weights(min_version, timeout, worker_id))
+        version, self._model, self._flat = self._lent.enter_context(
+            reads.weights(shard, min_version, timeout, worker_id)
+        )
         return version, self._model
 
     @property
@@ -251,7 +254,7 @@ class ChunksWeights(WeightsSink):
     def pull(
         self, shard: Shard, min_version: int, timeout: float, worker_id: str, reply: ps_pb2.ExchangeResponse
     ) -> tuple[int, ShardModel]:
-        with shard.weights(min_version, timeout, worker_id) as (version, held, flat):
+        with reads.weights(shard, min_version, timeout, worker_id) as (version, held, flat):
             for piece, offset, data in iter_chunks(held.views(flat), self._dtype, reuse=True):
                 reply.chunks.add(piece=piece, offset=offset, data=bytes(data))
         return version, held
@@ -357,7 +360,7 @@ class ExchangeHandler:
         min_version = 0 if stale else want.min_version
         if reply.HasField("pulled"):
             min_version = reply.pulled.version  # the rows of the weights' version, or a later one
-        reply.rows_version, sparse.answers = shard.lookup(sparse.lookups, min_version, timeout, want.worker_id)
+        reply.rows_version, sparse.answers = reads.lookup(shard, sparse.lookups, min_version, timeout, want.worker_id)
         for block in sparse.lookups:
             reply.rows.add(table=block.table, count=len(block.ids))
         shard.metrics.lookups.inc()

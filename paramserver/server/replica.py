@@ -7,15 +7,7 @@ The stream is chain replication with a chain of two: the primary hands each upda
 log encodes it (paramserver.shard.wal), to the backup over a TCP connection, under the shard's lock and in version
 order; the backup logs and applies it and answers with the version. While the backup is in the in-sync set, a
 push is acknowledged only once the backup has answered for the version holding it, so every acknowledged update
-is on both copies. Messages, primary to backup:
-
-    b"S" u64 n, n bytes   the whole state (a checkpoint file) a backup starts from
-    b"R" record           one update, as the write-ahead log writes it
-    b"H" u64 version, u32 finished workers, u8 flags   a heartbeat, every replica_timeout / 4 (flags: 1 the
-                          backup is in sync, 2 the job is done: a primary stopping because of it says so last)
-
-and backup to primary a u64 version for every one of those. The backup opens the connection with a JSON hello
-(job, shard, copy, the epoch it read, the bearer token when the job has one).
+is on both copies. The messages and the backup's end of the link are paramserver.server.replica_stream's.
 
 Failures, decided in the coordinator:
 
@@ -34,11 +26,8 @@ Failures, decided in the coordinator:
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
-import os
-import shutil
 import socket
 import ssl
 import struct
@@ -48,57 +37,34 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import numpy as np
-
-from paramserver.config import ServerConfig
 from paramserver.coord import CoordinatorUnavailable, Etcd, PartConfig, PartRegister
 from paramserver.errors import NotPrimary
 from paramserver.security import client_ssl_context, read_token, server_ssl_context
-from paramserver.shard import checkpoint, wal
+from paramserver.server.replica_stream import (
+    _BEAT,
+    _U64,
+    DONE,
+    HEARTBEAT,
+    IN_SYNC,
+    MAX_HELLO,
+    NO_MODEL,
+    RECORD,
+    SNAPSHOT,
+    Follower,
+    hello_refusal,
+    recv_exact,
+    recv_message,
+    send_message,
+)
+from paramserver.shard import checkpoint, standby
 from paramserver.shard.state import Shard
 from paramserver.transport.tcp import keep_alive
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT, RECORD, HEARTBEAT = b"S", b"R", b"H"
-_U64 = struct.Struct("<Q")
-_BEAT = struct.Struct("<QIB")
-IN_SYNC, DONE = 1, 2
-MAX_HELLO = 4096
 MAX_QUEUED_BYTES = 1 << 30  # updates held for a backup taking the state before it is dropped (and tries again)
 MIN_BYTES_PER_S = 20 << 20  # the slowest link (and apply) a large update is given time for before the copy is dropped
-NO_MODEL = "this primary holds no model yet (no worker registered one)"
 DEPOSED_EXIT = 3  # the status a deposed primary's process exits with, to come back as the backup
-DONE_GRACE = 20  # a copy that finds its job done waits this many replica timeouts for a new run, then stops
-
-
-def copy_dir(config: ServerConfig, copy: int) -> ServerConfig:
-    """A copy's config: its own checkpoint directory (copy-R under the job's), as both copies may share a disk."""
-    if config.replicas < 2 or not config.checkpoint_dir:
-        return config
-    return config.replace(checkpoint_dir=str(Path(config.checkpoint_dir) / f"copy-{copy}"))
-
-
-def _recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> memoryview:
-    buf = into if into is not None else memoryview(bytearray(n))
-    got = 0
-    while got < n:
-        k = sock.recv_into(buf[got:n])
-        if not k:
-            raise ConnectionError("the other copy closed the replication link")
-        got += k
-    return buf
-
-
-def _send_message(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(_U64.pack(len(payload)) + payload)
-
-
-def _recv_message(sock: socket.socket, limit: int) -> bytes:
-    (n,) = _U64.unpack(_recv_exact(sock, _U64.size))
-    if n > limit:
-        raise ConnectionError(f"a replication hello of {n} bytes (at most {limit})")
-    return bytes(_recv_exact(sock, n))
 
 
 class Replication:
@@ -149,8 +115,10 @@ class Replication:
         self._heard = 0.0
         self._unacked_bytes = 0
         self._failed = ""  # why the backup link broke ("" while it holds)
-        self._rx = memoryview(b"")  # the backup's receive buffer for updates
-        self._damaged = False  # a backup that answered for an update it could not apply
+        # The backup's end of the link (paramserver.server.replica_stream).
+        self._follower = Follower(
+            shard, self.config, copy, self._token, self._client_tls, self._stop, lambda ready: self._set_ready(ready)
+        )
 
     # -- start and stop ------------------------------------------------------------------------------------------
 
@@ -210,16 +178,7 @@ class Replication:
         which then stops too instead of taking over, and the coordinator, for a copy that starts again later."""
         if self.shard.done.is_set() and self.shard.replicator is self and not self.deposed.is_set():
             self._heartbeat()
-            # Said again where a swap lost to a change that came first, or the coordinator did not answer in time.
-            for _ in range(10):
-                try:
-                    cfg = self.register.read()
-                    if cfg is None or cfg.primary != self.copy or cfg.done:
-                        break
-                    if self.register.swap(cfg, cfg.but(done=True)) is not None:
-                        break
-                except CoordinatorUnavailable:
-                    time.sleep(0.1)
+            self.register.mark_done(self.copy)
         self._stop.set()
         with self._cond:
             self._drop_backup_locked()
@@ -244,7 +203,7 @@ class Replication:
         self.shard.metrics.primary.set(1)
         self.shard.metrics.backup_in_sync.set(int(self.other in cfg.in_sync))
         self.shard.replicator = self
-        self.shard.take_over(complete)
+        standby.take_over(self.shard, complete)
         self._set_ready(True)
         self._thread(self._accept_loop, "replication-accept")
         self._thread(self._watch_backup, "replication-watch")
@@ -308,15 +267,24 @@ class Replication:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._server_tls is not None:
                 conn = self._server_tls.wrap_socket(conn, server_side=True)
-            hello = json.loads(_recv_message(conn, MAX_HELLO))
-            why = self._refuse(hello)
+            hello = json.loads(recv_message(conn, MAX_HELLO))
+            cfg = self.config_seen
+            why = hello_refusal(
+                hello,
+                job=self.config.job_name,
+                shard=self.shard.index,
+                copy=self.other,
+                token=self._token,
+                epoch=cfg.epoch if cfg else None,
+                has_model=self.shard.model is not None,
+            )
             if why:
                 level = logging.DEBUG if why == NO_MODEL else logging.WARNING
                 log.log(level, "shard %d copy %d: refused a backup: %s", *self._who(), why)
-                _send_message(conn, json.dumps({"error": why}).encode())
+                send_message(conn, json.dumps({"error": why}).encode())
                 conn.close()
                 return
-            _send_message(conn, json.dumps({"ok": True}).encode())
+            send_message(conn, json.dumps({"ok": True}).encode())
         except (OSError, ValueError, ssl.SSLError) as exc:
             log.info("shard %d copy %d: a replication connection failed its hello: %s", *self._who(), exc)
             conn.close()
@@ -341,20 +309,6 @@ class Replication:
                 if ident == self._backup_id and not self._failed:
                     self._failed = f"sending the state failed: {exc}"
                     self._cond.notify_all()
-
-    def _refuse(self, hello: dict[str, object]) -> str:
-        cfg = self.config_seen
-        if hello.get("job") != self.config.job_name:
-            return f"it belongs to job {hello.get('job')!r}, not {self.config.job_name!r}"
-        if hello.get("shard") != self.shard.index or hello.get("copy") != self.other:
-            return f"it is shard {hello.get('shard')} copy {hello.get('copy')}, not shard {self.shard.index}'s other"
-        if self._token and not hmac.compare_digest(str(hello.get("token", "")), self._token):
-            return "it did not carry this job's bearer token"
-        if cfg is None or hello.get("epoch") != cfg.epoch:
-            return f"it read epoch {hello.get('epoch')}, this primary's is {cfg.epoch if cfg else None}"
-        if self.shard.model is None:
-            return NO_MODEL
-        return ""
 
     def _send_state(self, conn: socket.socket, ident: int) -> None:
         with self.shard.lock, self._cond:
@@ -394,7 +348,7 @@ class Replication:
         try:
             conn.settimeout(None)  # the watcher judges silence; this thread only reads
             while True:
-                (version,) = _U64.unpack(_recv_exact(conn, _U64.size))
+                (version,) = _U64.unpack(recv_exact(conn, _U64.size))
                 with self._cond:
                     if ident != self._backup_id:
                         return
@@ -501,7 +455,9 @@ class Replication:
             cfg.primary if cfg else None,
             cfg.epoch if cfg else None,
         )
-        self.shard.set_standby(f"shard {self.shard.index} copy {self.copy} was deposed: its other copy is primary")
+        standby.set_standby(
+            self.shard, f"shard {self.shard.index} copy {self.copy} was deposed: its other copy is primary"
+        )
         self.shard.metrics.primary.set(0)
         self._set_ready(False)
         self.deposed.set()
@@ -519,52 +475,10 @@ class Replication:
     def _become_backup(self) -> None:
         self.shard.metrics.primary.set(0)
         self._set_ready(False)
-        self.shard.set_standby(
-            f"shard {self.shard.index} copy {self.copy} is the backup; its other copy is the primary"
+        standby.set_standby(
+            self.shard, f"shard {self.shard.index} copy {self.copy} is the backup; its other copy is the primary"
         )
-        self._thread(self._follow, "replication-follow")
-
-    def _follow(self) -> None:
-        """Follow the primary; take over when it falls silent while this copy is in sync. A copy that started
-        after its job was done (and its primary gone) stops after DONE_GRACE replica timeouts, unless a new run
-        begins."""
-        done_since: float | None = None
-        while not self._stop.is_set():
-            try:
-                cfg = self.register.read()
-            except CoordinatorUnavailable as exc:
-                log.warning("shard %d copy %d: the coordinator is unreachable (%s)", *self._who(), exc)
-                time.sleep(min(1.0, self.timeout))
-                continue
-            if cfg is None:
-                time.sleep(self.timeout)
-                continue
-            self.config_seen = cfg
-            done_since = (done_since or time.monotonic()) if cfg.done else None
-            if done_since is not None and time.monotonic() - done_since > DONE_GRACE * self.timeout:
-                log.info("shard %d copy %d: the job is done and its primary gone", *self._who())
-                self.shard.done.set()  # with --exit-when-done the process stops
-                return
-            if cfg.primary == self.copy:  # it handed over to this copy (a restarted primary with nothing)
-                if self._take_over(cfg):
-                    return
-                continue
-            why = self._stream(cfg)
-            if self._stop.is_set() or self.shard.done.is_set():
-                return
-            level = logging.DEBUG if NO_MODEL in why else logging.WARNING
-            log.log(level, "shard %d copy %d: the primary's link ended: %s", *self._who(), why)
-            self._set_ready(False)
-            try:
-                now = self.register.read()
-            except CoordinatorUnavailable:
-                continue
-            if now is not None and now.primary == cfg.primary and self.copy in now.in_sync and not self._damaged:
-                new = now.but(epoch=now.epoch + 1, primary=self.copy, in_sync=(self.copy,))
-                if self._take_over(new, now):
-                    return
-            # Not in sync, or the configuration moved: follow again (soon where the primary only waits for a model).
-            time.sleep(0.05 if NO_MODEL in why else min(0.2, self.timeout / 2))
+        self._thread(lambda: self._follower.follow(self.register, self._take_over), "replication-follow")
 
     def _take_over(self, new: PartConfig, old: PartConfig | None = None) -> bool:
         try:
@@ -578,111 +492,3 @@ class Replication:
         log.warning("shard %d copy %d: took over as primary (epoch %d)", *self._who(), stored.epoch)
         self._become_primary(complete=True)
         return True
-
-    def _stream(self, cfg: PartConfig) -> str:
-        """Connect to the primary, take its state and its updates until the link ends; return why it ended."""
-        address = cfg.links.get(cfg.primary)
-        if not address:
-            return "the primary has not said where it listens"
-        host, port = address.rsplit(":", 1)
-        try:
-            sock = socket.create_connection((host, int(port)), timeout=max(1.0, self.timeout))
-        except OSError as exc:
-            return f"cannot connect to {address}: {exc}"
-        try:
-            keep_alive(sock)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._client_tls is not None:
-                sock = self._client_tls.wrap_socket(sock)
-            hello = {
-                "job": self.config.job_name,
-                "shard": self.shard.index,
-                "copy": self.copy,
-                "epoch": cfg.epoch,
-                "token": self._token,
-            }
-            _send_message(sock, json.dumps(hello).encode())
-            answer = json.loads(_recv_message(sock, MAX_HELLO))
-            if "error" in answer:
-                return f"the primary refused: {answer['error']}"
-            # The whole state comes first, once the primary has written it out: give that time (it judges the
-            # transfer by the bytes flowing); after it, silence longer than replica_timeout means the primary is gone.
-            sock.settimeout(max(30.0, self.timeout))
-            while not self._stop.is_set():
-                kind = bytes(_recv_exact(sock, 1))
-                if kind == SNAPSHOT:
-                    self._receive_state(sock)
-                    sock.settimeout(self.timeout)
-                elif kind == RECORD:
-                    self._receive_record(sock)
-                    continue  # answered as soon as it arrived whole, before it applied
-                elif kind == HEARTBEAT:
-                    version, finished, flags = _BEAT.unpack(_recv_exact(sock, _BEAT.size))
-                    self.shard.finished_workers = max(self.shard.finished_workers, finished)
-                    self._set_ready(bool(flags & IN_SYNC))
-                    if flags & DONE:
-                        self.shard.done.set()  # with --exit-when-done this copy stops too
-                else:
-                    return f"an unknown message {kind!r}"
-                sock.sendall(_U64.pack(self.shard.version))
-            return "stopping"
-        except (OSError, ConnectionError, ValueError, struct.error) as exc:
-            return str(exc) or type(exc).__name__
-        finally:
-            with contextlib.suppress(OSError):
-                sock.close()
-
-    def _receive_state(self, sock: socket.socket) -> None:
-        (size,) = _U64.unpack(_recv_exact(sock, _U64.size))
-        directory = self.config.checkpoint_dir
-        if directory:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix="ps-replica-", dir=directory or None))
-        try:
-            path = tmp / "state.safetensors"
-            with open(path, "wb") as f:
-                buf = memoryview(bytearray(4 << 20))
-                left = size
-                while left:
-                    k = sock.recv_into(buf[: min(left, len(buf))])
-                    if not k:
-                        raise ConnectionError("the primary closed the link while sending its state")
-                    f.write(buf[:k])
-                    left -= k
-            snap = checkpoint.load(path)  # its checksum verified
-            if directory:  # the state is this copy's newest checkpoint; any other history here is void
-                for old in checkpoint.list_checkpoints(directory, self.shard.index):
-                    old.unlink(missing_ok=True)
-                os.replace(path, checkpoint.path_for(Path(directory), self.shard.index, snap.version))
-            self.shard.install(snap)
-            self._damaged = False
-        except checkpoint.CorruptCheckpoint as exc:
-            raise ValueError(f"the primary's state did not verify: {exc}") from None
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        log.info("shard %d copy %d: took the primary's state at version %d", *self._who(), self.shard.version)
-
-    def _receive_record(self, sock: socket.socket) -> None:
-        """Take one update whole, answer for it, then log and apply it. The answer comes before the apply, so the
-        primary's acknowledgement does not wait for this copy's optimizer step: this copy holds the update from
-        then on, and applies every update it answered for, in this same thread, before it could ever take over."""
-        head = bytes(_recv_exact(sock, wal.HEAD_BYTES))
-        header = bytes(_recv_exact(sock, wal.header_size(head)))
-        rest = wal.body_size(head, header)
-        size = len(head) + len(header) + rest
-        if len(self._rx) < size:  # one buffer, reused: an update is applied (and logged) before the next arrives
-            self._rx = np.empty(size, dtype=np.uint8).data.cast("B")
-        view = self._rx[:size]
-        view[: len(head)] = head
-        view[len(head) : len(head) + len(header)] = header
-        _recv_exact(sock, rest, view[len(head) + len(header) :])
-        found = wal.decode(view)
-        if found is None:
-            raise ValueError("an update from the primary does not decode")
-        sock.sendall(_U64.pack(found[0].version))
-        try:
-            self.shard.apply_record(found[0], [view])
-        except ValueError as exc:
-            # Answered but not applied: this copy must not take over; it takes the whole state again.
-            self._damaged = True
-            raise ValueError(f"an update from the primary does not apply here: {exc}") from None

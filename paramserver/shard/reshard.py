@@ -22,7 +22,6 @@ to the target and renamed into place once complete, so the target never holds ha
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import shutil
@@ -31,7 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,23 +38,20 @@ import torch
 from paramserver.config import ServerConfig
 from paramserver.placement import Placement, place
 from paramserver.shard import buffers as buffer_rules
-from paramserver.shard import checkpoint, persistence, wal
+from paramserver.shard import checkpoint
 from paramserver.shard.checkpoint import Snapshot
-from paramserver.shard.membership import REMEMBERED_STEPS, AppliedLog
+from paramserver.shard.membership import REMEMBERED_STEPS
+from paramserver.shard.reshard_source import Part, ReshardError, read_source, replay_config
 from paramserver.tables import shard_of
 
 if TYPE_CHECKING:
-    from paramserver.shard.state import Shard
+    pass
 
 log = logging.getLogger(__name__)
 
 # A table's per-row arrays (moved with their rows) and its admission counts (moved with their IDs).
 _ROW_KEYS = ("ids", "values", "optimizer_state", "versions", "times")
 _COUNT_KEYS = ("count_ids", "counts")
-
-
-class ReshardError(ValueError):
-    """A checkpoint set that cannot be resharded as asked (what is wrong, in one sentence)."""
 
 
 @dataclass(frozen=True)
@@ -83,121 +79,6 @@ class ReshardReport:
             + (f", after replaying {replayed} logged versions" if replayed else "")
             + f": {self.bytes / 1e6:.1f} MB in {self.seconds:.2f} s"
         )
-
-
-@dataclass
-class _Part:
-    """One source shard's state at its newest version."""
-
-    snap: Snapshot
-    replayed: int
-
-
-class _Replayer:
-    """What persistence.replay reads and writes of a Shard: its config, index and applied log."""
-
-    def __init__(self, config: ServerConfig, index: int, applied: dict[str, list[int]]) -> None:
-        self.config = config
-        self.index = index
-        self.applied = AppliedLog.restore(applied)
-
-
-# -- reading the source set --------------------------------------------------------------------------------------
-
-
-def _replay_config(snap: Snapshot, source: Path, config: ServerConfig | None) -> ServerConfig:
-    """The config a source shard's log is replayed under: the caller's (as a restarted shard, its flags win over
-    the saved hyperparameters), or else the hyperparameters saved in the checkpoint and the defaults for the rest."""
-    if config is not None:
-        return config.replace(checkpoint_dir=str(source))
-    groups = snap.optimizer_state.get("param_groups") or [{}]
-    group = groups[0]
-    changes: dict[str, Any] = {"optimizer": snap.optimizer, "checkpoint_dir": str(source)}
-    for key in ("lr", "weight_decay"):
-        if isinstance(group.get(key), int | float):
-            changes[key] = float(group[key])
-    if snap.optimizer == "momentum" and isinstance(group.get("momentum"), int | float):
-        changes["momentum"] = float(group["momentum"])
-    # --no-weight-decay: the group's own weight_decay is 0, the job's decay and its exempt patterns beside it
-    if isinstance(group.get("masked_weight_decay"), int | float) and isinstance(group.get("no_weight_decay"), str):
-        changes["weight_decay"] = float(group["masked_weight_decay"])
-        changes["no_weight_decay"] = group["no_weight_decay"]
-    return ServerConfig(**changes)
-
-
-def _has_log(source: Path, index: int, after: int) -> bool:
-    """Whether shard `index` logged a version after `after` (reads only the first such record)."""
-    return next(iter(wal.records(source, index, after)), None) is not None
-
-
-def _replayed(source: Path, index: int, num_shards: int, version: int, config: ServerConfig) -> _Part:
-    """Shard `index` at its newest logged version: its checkpoint of `version` with its write-ahead log replayed over
-    it through the same optimizer (persistence.restored and replay, as a restarted shard does). Reads, never writes,
-    `source`."""
-    try:
-        found = persistence.restored(config, index, ["-"] * num_shards)
-    except ValueError as exc:
-        raise ReshardError(str(exc)) from None
-    if found is None or found[1].version != version:
-        raise ReshardError(f"the checkpoints of shard {index} in {source} changed while they were read")
-    model, snap = found
-    replayer = _Replayer(config, index, snap.applied)
-    reached = persistence.replay(cast("Shard", replayer), model, version)
-    state = model.optimizer.state_dict()
-    after = dataclasses.replace(
-        snap,
-        version=reached,
-        params=model.params.detach(),
-        optimizer_state={"state": state["state"], "param_groups": state["param_groups"]},
-        applied=replayer.applied.dump(),
-        tables=model.tables.snapshot(),
-    )
-    return _Part(after, reached - version)
-
-
-def _read_source(source: Path, config: ServerConfig | None) -> list[_Part]:
-    """Every source shard's newest checkpoint, brought to its newest logged version; ReshardError for a set that
-    is not one model's set of N shards."""
-    if not source.is_dir():
-        raise ReshardError(f"{source} is not a directory")
-    first = checkpoint.load_latest(source, 0)
-    if first is None:
-        raise ReshardError(f"{source} holds no valid checkpoint of shard 0")
-    n = first.num_shards
-    if checkpoint.list_checkpoints(source, n):
-        raise ReshardError(
-            f"{source} holds checkpoints of shard {n}, but shard 0's say the job had {n} shards (0..{n - 1}): "
-            "it mixes the sets of two jobs"
-        )
-    if place(first.specs, n, tables=first.table_specs).digest != first.digest:
-        raise ReshardError(f"the checkpoint of shard 0 in {source} does not match its own placement digest")
-    expect = (first.digest, first.optimizer, first.specs, first.table_specs)
-    parts: list[_Part] = []
-    pending: Snapshot | None = first
-    del first  # shard 0's part may be replaced by its replayed state: hold no other reference to it
-    for k in range(n):
-        snap = pending if k == 0 else checkpoint.load_latest(source, k)
-        pending = None
-        if snap is None:
-            raise ReshardError(f"{source} holds no valid checkpoint of shard {k}, and the set is of {n} shards")
-        if snap.num_shards != n:
-            raise ReshardError(
-                f"shard {k}'s checkpoint in {source} was written by a job of {snap.num_shards} shards, shard 0's by "
-                f"one of {n}: it mixes the sets of two jobs"
-            )
-        if (snap.digest, snap.optimizer, snap.specs, snap.table_specs) != expect:
-            raise ReshardError(
-                f"shard {k}'s checkpoint in {source} describes another model or optimizer than shard 0's: it mixes "
-                "the sets of two jobs"
-            )
-        if not _has_log(source, k, snap.version):
-            parts.append(_Part(snap, 0))
-            continue
-        # restored() reads the checkpoint again, to build the shard's model from it: drop this copy first.
-        version, cfg = snap.version, _replay_config(snap, source, config)
-        snap = None
-        parts.append(_replayed(source, k, n, version, cfg))
-    return parts
 
 
 # -- cutting again ---------------------------------------------------------------------------------------------
@@ -258,7 +139,7 @@ def _param_state(snap: Snapshot) -> dict[str, Any]:
     return dict(next(iter(state.values()))) if state else {}
 
 
-def _plan_optimizer(parts: Sequence[_Part], allow_mixed: bool, notes: list[str]) -> _OptimizerPlan:
+def _plan_optimizer(parts: Sequence[Part], allow_mixed: bool, notes: list[str]) -> _OptimizerPlan:
     states = [_param_state(p.snap) for p in parts]
     plan = _OptimizerPlan(param_groups=[dict(g) for g in parts[0].snap.optimizer_state.get("param_groups", [])])
     plan.present = any(states)
@@ -303,7 +184,7 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
-def _tables_plan(parts: Sequence[_Part], notes: list[str]) -> list[dict[str, np.ndarray]]:
+def _tables_plan(parts: Sequence[Part], notes: list[str]) -> list[dict[str, np.ndarray]]:
     """Each table's rows and admission counts from every source shard, concatenated (re-partitioned per new
     shard by `_table_part`)."""
     snap0 = parts[0].snap
@@ -351,7 +232,7 @@ def _table_part(
     return out
 
 
-def _union_applied(parts: Sequence[_Part]) -> dict[str, list[int]]:
+def _union_applied(parts: Sequence[Part]) -> dict[str, list[int]]:
     """Every source shard's applied pushes (in sync mode the same on each), in first-seen order per worker."""
     merged: dict[str, dict[int, None]] = {}
     for p in parts:
@@ -388,7 +269,7 @@ def reshard(
     if shards < 1:
         raise ReshardError(f"--shards must be at least 1, not {shards}")
     _check_target(target)
-    parts = _read_source(source, config)
+    parts = read_source(source, config)
     n = len(parts)
     notes: list[str] = []
     versions = tuple(p.snap.version for p in parts)
@@ -533,7 +414,7 @@ def _cli_config(args: argparse.Namespace, source: Path) -> ServerConfig | None:
     snap = checkpoint.load_latest(source, 0)
     if snap is None:
         return None  # reshard says what is wrong
-    return _replay_config(snap, source, None).replace(**given)
+    return replay_config(snap, source, None).replace(**given)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

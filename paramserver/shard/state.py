@@ -26,14 +26,13 @@ from paramserver.errors import (
     NotInitialized,
     NotPrimary,
     PullTimeout,
-    ShuttingDown,
     StaleRound,
     WrongJob,
 )
 from paramserver.placement import TensorSpec
 from paramserver.server.metrics import ShardMetrics
 from paramserver.shard import persistence, status, wal
-from paramserver.shard.attachments import Attachment, Attachments, Ticket
+from paramserver.shard.attachments import Attachments, Ticket
 from paramserver.shard.checkpoint import Snapshot
 from paramserver.shard.consistency import make_policy
 from paramserver.shard.initialise import InitSlot
@@ -45,7 +44,6 @@ from paramserver.shard.pool import BufferPool
 from paramserver.shard.sparse import RowBlock
 from paramserver.shard.status import ShardStats, ShardStatus
 from paramserver.tables import TableSpec
-from paramserver.transport import shm
 
 # Where these lived before the shard was split by concern; imported from here by tests and tools.
 __all__ = [
@@ -363,7 +361,7 @@ class Shard:
         model.step(grad, self.config.lr_at(version))
         if model.tables:
             model.tables.apply(rows, version, wall)
-        self._advance_locked(version, model)
+        self.advance_locked(version, model)
         m = self.metrics
         m.apply_seconds.observe(time.perf_counter() - started)
         if waited is not None:
@@ -373,7 +371,7 @@ class Shard:
         if straggler is not None:
             m.straggler(self.membership.rank_of(straggler))
 
-    def _advance_locked(self, version: int, model: ShardModel) -> None:
+    def advance_locked(self, version: int, model: ShardModel) -> None:
         """Show `version` (applied and logged): wake the pulls waiting for it, and take a checkpoint when one is
         due (call under the lock)."""
         self.version = version
@@ -381,145 +379,6 @@ class Shard:
         self.metrics.version.set(version)
         if self.checkpoints.due_at(version) or self.checkpoints.log_full(model.numel * 4):
             self.checkpoint_locked()
-
-    # -- a backup's copy (paramserver.server.replica) ---------------------------------------------------------
-
-    def install(self, snap: Snapshot) -> None:
-        """Take the state a primary sent (a backup catching up): the model, the applied pushes and the version,
-        replacing whatever this copy held. With a checkpoint_dir the snapshot is already this copy's newest
-        checkpoint (the caller saved it there) and the log starts after it."""
-        model = persistence.model_of(self.config, self.index, snap)
-        with self._cond:
-            self.adopt_locked(model, snap.version)
-            self.applied = AppliedLog.restore(snap.applied)
-            self.finished_workers = snap.finished_workers
-            self.metrics.version.set(self.version)
-            self.checkpoints.close_log()
-            self.checkpoints.forget_log(self.index, replaced=True)
-            self.checkpoints.open_log(self.index, self.version)
-
-    def apply_record(self, rec: wal.Record, parts: Sequence[memoryview | bytes]) -> None:
-        """Apply one update a primary streamed (a backup), logging it first; ValueError where it does not follow
-        this copy's version or fit its model."""
-        with self._cond:
-            model = self.model
-            if model is None:
-                raise ValueError("an update before the state it applies to")
-            if rec.version != self.version + 1:
-                raise ValueError(f"an update to version {rec.version} for a copy at version {self.version}")
-            self.checkpoints.log(rec.version, parts)
-            if not persistence.apply_logged(self, model, rec):
-                raise ValueError(f"the update to version {rec.version} does not fit this copy's model")
-            self._advance_locked(rec.version, model)
-
-    def set_standby(self, why: str) -> None:
-        """Refuse workers from now on with NotPrimary(why) (empty: serve them); every waiting pull is told."""
-        with self._cond:
-            self.standby = why
-            if why:
-                self.attachments.clear()
-            self._cond.notify_all()
-
-    def take_over(self, complete: bool) -> None:
-        """Serve workers as the part's primary (`complete`: this copy holds every acknowledged update, as a backup
-        that took over does). In sync mode the first round waits for the job's workers to join here, as after a
-        restore."""
-        with self._cond:
-            self.replicated = complete
-            if self.model is not None:
-                self.membership.rejoin_all(self.finished_workers)
-                self.policy.reset(self.model.numel)
-            self.standby = ""
-            self._cond.notify_all()
-
-    # -- pull --------------------------------------------------------------------------------------------------
-
-    def wait_for(self, min_version: int, timeout: float, worker_id: str = "") -> tuple[int, ShardModel]:
-        """Wait until the shard reaches `min_version`; return (version, model)."""
-        with self._cond:
-            return self._wait_locked(min_version, timeout, worker_id)
-
-    @contextlib.contextmanager
-    def weights(
-        self, min_version: int, timeout: float, worker_id: str = ""
-    ) -> Iterator[tuple[int, ShardModel, np.ndarray]]:
-        """Wait like `wait_for`, then lend (version, model, the flat weights of that one version) to send.
-
-        Where the policy says no update can apply before this worker pushes again (a live worker in sync mode
-        without backup workers), the weights are lent in place. Any other pull (async, ssp, backup workers, a
-        reader that did not join) gets a copy taken under the lock into a scratch buffer, so an update applied
-        while it is sent cannot tear it.
-        """
-        version, model = self.wait_for(min_version, timeout, worker_id)  # before taking a buffer pushes need
-        with self._cond:
-            in_place = self.policy.stable_for(self, worker_id)
-        if in_place:
-            yield version, model, model.params.numpy()
-            return
-        with self.scratch() as buf:
-            with self._cond:
-                model = self.require_model()
-                version = self.version  # at least min_version: versions only grow
-                np.copyto(buf, model.params.numpy())
-            yield version, model, buf
-
-    def lookup(
-        self, blocks: Sequence[RowBlock], min_version: int, timeout: float, worker_id: str = ""
-    ) -> tuple[int, list[np.ndarray]]:
-        """Wait like `wait_for`, then read the rows of each block's IDs, all of one version; return it and them."""
-        with self._cond:
-            version, model = self._wait_locked(min_version, timeout, worker_id)
-            return version, model.tables.lookup(blocks)
-
-    def pull_into(self, dst: np.ndarray, min_version: int, timeout: float, worker_id: str = "") -> int:
-        """Wait like `wait_for`, then copy the weights into `dst` under the lock (one consistent version)."""
-        with self._cond:
-            version, model = self._wait_locked(min_version, timeout, worker_id)
-            np.copyto(dst, model.params.numpy())
-            return version
-
-    def _wait_locked(self, min_version: int, timeout: float, worker_id: str) -> tuple[int, ShardModel]:
-        self.check_serving()
-        if worker_id:
-            self.membership.get(worker_id)
-        self.require_model()
-
-        # A worker's pull also waits while the policy holds it back (ssp: too far ahead of the slowest worker).
-        def ready() -> bool:
-            return self.version >= min_version and (not worker_id or self.policy.may_pull(self, worker_id))
-
-        reached = self._cond.wait_for(lambda: self._closed or ready(), timeout=timeout)
-        if self._closed:
-            raise ShuttingDown(f"shard {self.index} is shutting down")
-        if not reached:
-            if self.version >= min_version:
-                raise PullTimeout(
-                    f"shard {self.index} held worker {worker_id}'s pull for {timeout:.1f} s: "
-                    f"{self.policy.waiting_for(self)}"
-                )
-            raise PullTimeout(
-                f"shard {self.index} is at version {self.version}, not {min_version}, after "
-                f"{timeout:.1f} s: {self.policy.waiting_for(self)}"
-            )
-        return self.version, self.require_model()
-
-    # -- attachments (paramserver.shard.attachments) -----------------------------------------------------------
-
-    def attach(self, worker_id: str, name: str, nonce: bytes, elements: int, digest: str) -> None:
-        """Map a live worker's shared-memory segment for its Exchanges (replacing any earlier attachment)."""
-        self.attachments.attach_segment(worker_id, name, nonce, elements, digest)
-
-    def attach_socket(self, worker_id: str, nonce: bytes, elements: int, digest: str) -> None:
-        """Take a live worker's data-socket ticket (replacing any earlier attachment)."""
-        self.attachments.attach_socket(worker_id, nonce, elements, digest)
-
-    def attachment(self, worker_id: str, model: ShardModel) -> Attachment:
-        """The live worker's segment or ticket for `model`; NotAttached if it has none."""
-        return self.attachments.get(worker_id, model)
-
-    def segment(self, worker_id: str, model: ShardModel) -> shm.Segment:
-        """The live worker's attached segment for `model`; NotAttached if it has none."""
-        return self.attachments.segment(worker_id, model)
 
     # -- lifecycle: leases, checkpoints, shutdown ------------------------------------------------------------------
 
