@@ -13,6 +13,9 @@ server config, each run against its own real shards: a LocalCluster of 2 shards 
   IDs prefetched before each push_pull, sync, Adagrad: the rows read back and the dense weights equal the CPU
   run's to 1e-5, the prefetched rows are used (no extra lookups), and forward passes on IDs that were not
   prefetched gather the shards' rows;
+- someone else's model: plain nn.Embedding / nn.EmbeddingBag on the device, converted by make_sparse (the initial
+  rows sent from the device's weights), trained through PSOptimizer, saved by PSClient.save and served by
+  worker.load on the device: the served predictions and the loaded tensors equal the CPU run's;
 - the trainer: worker.train.trainer.train on digits with device="cuda" (a sync ResNet with BatchNorm, an async CNN with
   overlap) finishes with the CPU run's steps and about its test accuracy.
 
@@ -32,6 +35,7 @@ import copy
 import math
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -305,3 +309,51 @@ def test_the_trainer_on_the_device_finishes_with_the_cpu_runs_metrics(mode: str,
     # amplifying the noise of gradients near zero), a few test samples at most of 360.
     assert abs(got["test_accuracy"] - want["test_accuracy"]) <= 0.03, (got, want)
     assert got["test_loss"] == pytest.approx(want["test_loss"], rel=0.1)
+
+
+class _Plain(nn.Module):
+    """Plain torch, as someone else wrote it: converted by make_sparse on the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.user = nn.Embedding(300, 8, padding_idx=0)
+        self.tags = nn.EmbeddingBag(100, 8, mode="sum")
+        self.fc = nn.Linear(16, 1)
+
+    def forward(self, user: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.user(user), self.tags(tags)], 1)).squeeze(-1)
+
+
+def _converted_run(device: str, path: str) -> dict[str, torch.Tensor]:
+    from worker import PSOptimizer, load, make_sparse
+
+    g = torch.Generator().manual_seed(9)
+    batches = [
+        (
+            torch.randint(0, 300, (64,), generator=g),
+            torch.randint(0, 100, (64, 3), generator=g),
+            torch.randn(64, generator=g),
+        )
+        for _ in range(6)
+    ]
+    config = ServerConfig(mode="sync", workers=1, optimizer="adagrad", lr=0.05)
+    model = make_sparse(_Plain().to(device))
+    with LocalCluster(config, shards=2) as cluster, PSClient(cluster.address, timeout=CLIENT_TIMEOUT) as client:
+        optimizer = PSOptimizer(model, client)
+        for user, tags, y in batches:
+            optimizer.zero_grad()
+            F.mse_loss(model(user.to(device), tags.to(device)), y.to(device)).backward()
+            optimizer.step()
+        client.save(model, path)
+    served = load(make_sparse(_Plain().to(device)), path)
+    with torch.no_grad():
+        out = served(batches[0][0].to(device), batches[0][1].to(device))
+    assert out.device == torch.device(device)
+    return {"served": out.cpu(), **{k: v.cpu() for k, v in served.state_dict().items()}}
+
+
+def test_a_converted_model_trains_saves_and_serves_on_the_device_as_on_the_cpu(tmp_path: Path) -> None:
+    want = _converted_run("cpu", str(tmp_path / "cpu.safetensors"))
+    got = _converted_run(DEVICE, str(tmp_path / "device.safetensors"))
+    _assert_close(got, want, "make_sparse + PSOptimizer + save/load")
