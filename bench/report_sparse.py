@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench import report
+from bench import report_links, report_plot
+from bench.report_base import _Index, _table, fmt
 
 PATHS = {"shm": "shared memory", "socket": "data socket", "grpc": "gRPC"}
 
 
-def sparse(ix: report._Index) -> list[str]:
+def sparse(ix: _Index) -> list[str]:
     """The sparse section's tables."""
     figs = ix.section("sparse")
     if not figs:
@@ -47,13 +48,13 @@ def sparse(ix: report._Index) -> list[str]:
                     str(p["dim"]),
                     f"{p['shards']} ({p.get('scope', '')})",
                     PATHS.get(p["wire"], p["wire"]),
-                    report.fmt(e.get("local_ms")),
-                    report.fmt(raw["median"] if raw else None),
-                    report.fmt(e.get("forward_ms")),
-                    report.fmt(e.get("backward_ms")),
-                    report.fmt(e.get("push_pull_ms")),
-                    report.fmt(f["median"], "x"),
-                    report._target(f["median"], p.get("target")),
+                    fmt(e.get("local_ms")),
+                    fmt(raw["median"] if raw else None),
+                    fmt(e.get("forward_ms")),
+                    fmt(e.get("backward_ms")),
+                    fmt(e.get("push_pull_ms")),
+                    fmt(f["median"], "x"),
+                    report_links._target(f["median"], p.get("target")),
                     _cpu_cell(ix, f["id"].replace("sparse.step.", "sparse.cpu.", 1)),
                 ]
             )
@@ -70,7 +71,7 @@ def sparse(ix: report._Index) -> list[str]:
             "target",
             "CPU ÷ local (worker + shards ms); target",
         ]
-        lines += [*report._table(header, rows), ""]
+        lines += [*_table(header, rows), ""]
     tput = [f for f in figs if f["id"].startswith("sparse.ids.")]
     if tput:
         rows = []
@@ -83,19 +84,19 @@ def sparse(ix: report._Index) -> list[str]:
                     str(p["shards"]),
                     str(p["workers"]),
                     str(p["dim"]),
-                    report.fmt(f["median"]),
-                    report.fmt(ix.median(p["baseline"])),
-                    report.fmt(ratio["median"] if ratio else None, "x"),
+                    fmt(f["median"]),
+                    fmt(ix.median(p["baseline"])),
+                    fmt(ratio["median"] if ratio else None, "x"),
                 ]
             )
         header = ["path", "shards", "workers", "dim", "M IDs/s", "local step M IDs/s (1 thread)", "÷ local"]
         lines += [
             f"Throughput: {tput[0]['params']['workers']} worker processes step as fast as they can against one shard "
-            f"(async mode) for windows of {report.fmt(tput[0]['params']['seconds'])} s, local rounds in between; IDs/s "
+            f"(async mode) for windows of {fmt(tput[0]['params']['seconds'])} s, local rounds in between; IDs/s "
             "counts every worker's 4,096 IDs a step over the window. All these processes share the machine's "
             "cores, which the local rate has to itself.",
             "",
-            *report._table(header, rows),
+            *_table(header, rows),
             "",
         ]
     held = [f for f in figs if f["id"].startswith("sparse.bytes.")]
@@ -111,16 +112,16 @@ def sparse(ix: report._Index) -> list[str]:
                 [
                     f"{p['rows']:,}",
                     str(p["dim"]),
-                    report.fmt(e["value_state_bytes"] / 1e6),
-                    report.fmt(e["nbytes"] / 1e6),
-                    report.fmt(f["median"], "x"),
-                    report._target(f["median"], p.get("target")),
-                    report.fmt(rss["median"] if rss else None, "x"),
-                    report.fmt(e["slots"] / p["rows"], "x"),
-                    report.fmt(e["huge_pages_bytes"] / 1e6) if "huge_pages_bytes" in e else "—",
-                    report.fmt(batch["median"] if batch else None),
-                    report.fmt(scale["median"], "x") if scale else "",
-                    report._target(scale["median"], scale["params"].get("target")) if scale else "",
+                    fmt(e["value_state_bytes"] / 1e6),
+                    fmt(e["nbytes"] / 1e6),
+                    fmt(f["median"], "x"),
+                    report_links._target(f["median"], p.get("target")),
+                    fmt(rss["median"] if rss else None, "x"),
+                    fmt(e["slots"] / p["rows"], "x"),
+                    fmt(e["huge_pages_bytes"] / 1e6) if "huge_pages_bytes" in e else "—",
+                    fmt(batch["median"] if batch else None),
+                    fmt(scale["median"], "x") if scale else "",
+                    report_links._target(scale["median"], scale["params"].get("target")) if scale else "",
                 ]
             )
         header = [
@@ -148,20 +149,20 @@ def sparse(ix: report._Index) -> list[str]:
             "for the slabs; where the kernel has none to give, a large table's scattered rows miss the TLB more)."
             + (f" {note}." if note else ""),
             "",
-            *report._table(header, rows),
+            *_table(header, rows),
             "",
         ]
     return lines
 
 
-def _cpu_cell(ix: report._Index, fid: str) -> str:
+def _cpu_cell(ix: _Index, fid: str) -> str:
     f = ix.get(fid)
     if f is None:
         return ""
     e = f.get("extra", {})
-    worker, shards, local = (report.fmt(e.get(f"{k}_cpu_ms")) for k in ("worker", "shards", "local"))
+    worker, shards, local = (fmt(e.get(f"{k}_cpu_ms")) for k in ("worker", "shards", "local"))
     split = f"{worker} + {shards} vs {local}"
-    return f"{report.fmt(f['median'], 'x')} ({split}); {report._target(f['median'], f['params'].get('target'))}"
+    return f"{fmt(f['median'], 'x')} ({split}); {report_links._target(f['median'], f['params'].get('target'))}"
 
 
 def _many_key(f: dict[str, Any]) -> tuple[int, int, int]:
@@ -169,7 +170,7 @@ def _many_key(f: dict[str, Any]) -> tuple[int, int, int]:
     return p["tables"], p["workers"], p["shards"]
 
 
-def sparse_many(ix: report._Index) -> list[str]:
+def sparse_many(ix: _Index) -> list[str]:
     """The sparse_many section's table: every case's CPU per sample, step time and samples/s against local torch."""
     figs = sorted((f for f in ix.section("sparse_many") if f["id"].startswith("sparse_many.cpu.")), key=_many_key)
     if not figs:
@@ -184,15 +185,15 @@ def sparse_many(ix: report._Index) -> list[str]:
                 str(p["tables"]),
                 str(p["workers"]),
                 str(p["shards"]),
-                report.fmt(e.get("local_ms")),
-                report.fmt(e.get("ps_ms")),
-                report.fmt(step["median"] if step else None, "x"),
-                report.fmt(e.get("samples_per_s")),
-                report.fmt(rate["median"] if rate else None, "x"),
-                f"{report.fmt(e.get('workers_cpu_us_per_sample'))} + {report.fmt(e.get('shards_cpu_us_per_sample'))}",
-                report.fmt(e.get("local_cpu_us_per_sample")),
-                report.fmt(f["median"], "x"),
-                report._target(f["median"], p.get("target")),
+                fmt(e.get("local_ms")),
+                fmt(e.get("ps_ms")),
+                fmt(step["median"] if step else None, "x"),
+                fmt(e.get("samples_per_s")),
+                fmt(rate["median"] if rate else None, "x"),
+                f"{fmt(e.get('workers_cpu_us_per_sample'))} + {fmt(e.get('shards_cpu_us_per_sample'))}",
+                fmt(e.get("local_cpu_us_per_sample")),
+                fmt(f["median"], "x"),
+                report_links._target(f["median"], p.get("target")),
             ]
         )
     header = [
@@ -221,12 +222,12 @@ def sparse_many(ix: report._Index) -> list[str]:
         "ratio. With W workers a step trains W batches: samples/s ÷ local above 1 is the job training faster than "
         "one process.",
         "",
-        *report._table(header, rows),
+        *_table(header, rows),
         "",
     ]
 
 
-def plot_scaling(ax: Any, ix: report._Index, by: str) -> None:
+def plot_scaling(ax: Any, ix: _Index, by: str) -> None:
     """samples/s and CPU per sample ÷ local: against workers and shards (52 tables), or against tables (2 x 2)."""
     figs = sorted((f for f in ix.section("sparse_many") if f["id"].startswith("sparse_many.cpu.")), key=_many_key)
     if by == "workers":
@@ -238,14 +239,14 @@ def plot_scaling(ax: Any, ix: report._Index, by: str) -> None:
         labels = [f"{f['params']['tables']} tables" for f in figs]
         title = "2 workers x 2 shards: samples/s and CPU per sample ÷ local torch, by tables"
     if not figs:
-        return report._empty(ax, title)
+        return report_plot._empty(ax, title)
     rates = [ix.median(f["id"].replace("sparse_many.cpu.", "sparse_many.rate.", 1)) for f in figs]
-    report._bars(ax, labels, {"samples/s ÷ local": rates, "CPU/sample ÷ local": [f["median"] for f in figs]}, "x")
+    report_plot._bars(ax, labels, {"samples/s ÷ local": rates, "CPU/sample ÷ local": [f["median"] for f in figs]}, "x")
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     ax.set_title(title)
 
 
-def sparse_peer(ix: report._Index) -> list[str]:
+def sparse_peer(ix: _Index) -> list[str]:
     """The sparse_peer section's table: TorchRec DMP against the local step and ours."""
     figs = sorted(
         (f for f in ix.section("sparse_peer") if f["id"].startswith("sparse_peer.ours.")),
@@ -260,13 +261,13 @@ def sparse_peer(ix: report._Index) -> list[str]:
         rows.append(
             [
                 str(d),
-                report.fmt(e.get("peer_ms")),
-                report.fmt(step["median"] if step else None, "x"),
-                report.fmt(cpu["median"] if cpu else None, "x"),
-                report.fmt(e.get("ours_ms")),
-                report.fmt(f["median"], "x"),
-                report._target(f["median"], p.get("target")),
-                report.fmt(e.get("ours_cpu_vs_peer"), "x"),
+                fmt(e.get("peer_ms")),
+                fmt(step["median"] if step else None, "x"),
+                fmt(cpu["median"] if cpu else None, "x"),
+                fmt(e.get("ours_ms")),
+                fmt(f["median"], "x"),
+                report_links._target(f["median"], p.get("target")),
+                fmt(e.get("ours_cpu_vs_peer"), "x"),
             ]
         )
     header = [
@@ -287,6 +288,6 @@ def sparse_peer(ix: report._Index) -> list[str]:
         "very batches of the local step and ours). Ours: 1 worker, 2 shards, sync, shared memory. Rounds of local, "
         "ours and the peer's steps in turn.",
         "",
-        *report._table(header, rows),
+        *_table(header, rows),
         "",
     ]
