@@ -254,12 +254,20 @@ def test_a_lightning_module_trained_by_lightnings_trainer_through_the_servers_eq
         assert torch.allclose(got[rank], want, atol=1e-5), (got[rank] - want).abs().max()
 
 
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2),
+        lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),
+    ],
+    ids=["StepLR", "CosineAnnealingLR"],
+)
 def test_a_torch_lr_scheduler_on_the_ps_optimizer_is_refused_saying_where_schedules_run(
-    ps_cluster_factory: Callable[..., LocalCluster],
+    scheduler: Callable[[torch.optim.Optimizer], Any], ps_cluster_factory: Callable[..., LocalCluster]
 ) -> None:
     cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=LR), shards=1)
     model = make_sparse(copy.deepcopy(Ranker()))
     with PSClient(cluster.address) as client:
         optimizer = PSOptimizer(model, client)
         with pytest.raises(TypeError, match=r"ps-server --lr-schedule"):
-            torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+            scheduler(optimizer)

@@ -8,6 +8,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from paramserver.shard import roster
+
 if TYPE_CHECKING:
     from paramserver.shard.state import Shard
 
@@ -52,7 +54,7 @@ class Maintenance:
         """Evict workers whose lease ran out, log a long wait, take a checkpoint when one is due."""
         shard = self._shard
         with self._lock:
-            shard.evict_expired(now)
+            roster.evict_expired(shard, now)
             waited = shard.policy.round_age()
             clock = time.monotonic()
             if waited > WAIT_LOG_SECONDS and clock - self._last_wait_log > WAIT_LOG_SECONDS:

@@ -5,7 +5,8 @@ elementwise state over those same elements, and the rows of the sparse tables wh
 (paramserver.tables.shard_of). With the placements of both shard counts known, a set of N checkpoints is cut
 again into M: every dense tensor (and every elementwise optimizer state: Adam's moments, momentum, Adagrad's sums)
 is copied piece by piece from the N old parts into the M new ones, and every table row, with its optimizer state,
-last update and admission count, moves to the shard its ID now hashes to.
+last update and admission count, moves to the shard its ID now hashes to (that arithmetic is
+paramserver.shard.reshard_cut's; reading the source set is paramserver.shard.reshard_source's).
 
 The set must be one consistent cut of the model: each shard is first brought to its newest logged version by
 replaying its write-ahead log over its newest checkpoint (as a restarted shard does), and then all of them must be
@@ -28,30 +29,22 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import torch
 
 from paramserver.config import ServerConfig
-from paramserver.placement import Placement, place
+from paramserver.placement import place
 from paramserver.shard import buffers as buffer_rules
 from paramserver.shard import checkpoint
 from paramserver.shard.checkpoint import Snapshot
-from paramserver.shard.membership import REMEMBERED_STEPS
-from paramserver.shard.reshard_source import Part, ReshardError, read_source, replay_config
+from paramserver.shard.reshard_cut import plan_optimizer, regather, table_part, tables_plan, union_applied
+from paramserver.shard.reshard_source import ReshardError, read_source, replay_config
 from paramserver.tables import shard_of
 
-if TYPE_CHECKING:
-    pass
-
 log = logging.getLogger(__name__)
-
-# A table's per-row arrays (moved with their rows) and its admission counts (moved with their IDs).
-_ROW_KEYS = ("ids", "values", "optimizer_state", "versions", "times")
-_COUNT_KEYS = ("count_ids", "counts")
 
 
 @dataclass(frozen=True)
@@ -79,166 +72,6 @@ class ReshardReport:
             + (f", after replaying {replayed} logged versions" if replayed else "")
             + f": {self.bytes / 1e6:.1f} MB in {self.seconds:.2f} s"
         )
-
-
-# -- cutting again ---------------------------------------------------------------------------------------------
-
-
-def _regather(old: Placement, flats: Sequence[torch.Tensor], new: Placement, shard: int) -> torch.Tensor:
-    """Shard `shard`'s flat part under `new`, copied piece by piece from the parts `flats` of `old`."""
-    dtype = flats[0].dtype if flats else torch.float32
-    by_name: dict[str, list[tuple[int, int, int, int]]] = {}  # name -> (start, stop, old shard, offset there)
-    for k, pieces in enumerate(old.shards):
-        at = 0
-        for p in pieces:
-            by_name.setdefault(p.name, []).append((p.start, p.start + p.length, k, at))
-            at += p.length
-    out = torch.empty(new.shard_elements(shard), dtype=dtype)
-    at = 0
-    for p in new.shards[shard]:
-        lo, hi, copied = p.start, p.start + p.length, 0
-        for start, stop, k, offset in by_name[p.name]:
-            a, b = max(lo, start), min(hi, stop)
-            if a < b:
-                out[at + a - lo : at + b - lo].copy_(flats[k][offset + a - start : offset + b - start])
-                copied += b - a
-        if copied != p.length:  # the pieces of a placement cover every element once
-            raise ReshardError(f"tensor {p.name!r}: the source shards hold {copied} of elements {lo}..{hi}")
-        at += p.length
-    return out
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-    return bool(a == b)
-
-
-@dataclass
-class _OptimizerPlan:
-    """How the source shards' optimizer states combine: the elementwise entries (cut like the parameters), and
-    the others (one value, copied)."""
-
-    elementwise: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # key -> each source shard's flat
-    scalars: dict[str, Any] = field(default_factory=dict)
-    param_groups: list[dict[str, Any]] = field(default_factory=list)
-    present: bool = False  # whether any source shard has state (none before the first update)
-
-
-def _param_state(snap: Snapshot) -> dict[str, Any]:
-    """The state of the shard's one flat parameter ({} before its first update)."""
-    state = snap.optimizer_state.get("state", {})
-    if len(state) > 1:
-        raise ReshardError(f"shard {snap.shard_index}'s optimizer state has {len(state)} parameters, not one")
-    return dict(next(iter(state.values()))) if state else {}
-
-
-def _plan_optimizer(parts: Sequence[Part], allow_mixed: bool, notes: list[str]) -> _OptimizerPlan:
-    states = [_param_state(p.snap) for p in parts]
-    plan = _OptimizerPlan(param_groups=[dict(g) for g in parts[0].snap.optimizer_state.get("param_groups", [])])
-    plan.present = any(states)
-    keys = sorted({key for st in states for key in st}, key=str)
-    for key in keys:
-        held = [(k, st[key]) for k, st in enumerate(states) if key in st]
-        elementwise = all(
-            isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == parts[k].snap.params.numel() for k, v in held
-        )
-        if elementwise:
-            flats = []
-            for k, st in enumerate(states):
-                if key in st:
-                    flats.append(st[key].detach().reshape(-1))
-                    continue
-                if not allow_mixed and parts[k].snap.params.numel():
-                    raise ReshardError(f"shard {k} holds no optimizer state {key!r}, and the other shards do")
-                flats.append(torch.zeros(parts[k].snap.params.numel(), dtype=held[0][1].dtype))
-            plan.elementwise[str(key)] = flats
-            continue
-        values = [v for _, v in held]
-        if all(_same(values[0], v) for v in values[1:]) and len(held) == len(parts):
-            plan.scalars[str(key)] = values[0]
-            continue
-        if not allow_mixed:
-            shown = ", ".join(f"shard {k}: {_show(v)}" for k, v in held)
-            raise ReshardError(
-                f"the optimizer's {key!r} differs across the source shards ({shown}): not one consistent cut of a "
-                "sync job; --allow-mixed takes the largest"
-            )
-        if not all(isinstance(v, torch.Tensor) and v.numel() == 1 for v in values):
-            raise ReshardError(f"the optimizer's {key!r} differs across the source shards and cannot be combined")
-        largest = max(values, key=lambda v: float(v.item()))
-        plan.scalars[str(key)] = largest
-        notes.append(f"the optimizer's {key!r} differed across the source shards: took the largest, {_show(largest)}")
-    return plan
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return f"{value.item():g}"
-    return repr(value)
-
-
-def _tables_plan(parts: Sequence[Part], notes: list[str]) -> list[dict[str, np.ndarray]]:
-    """Each table's rows and admission counts from every source shard, concatenated (re-partitioned per new
-    shard by `_table_part`)."""
-    snap0 = parts[0].snap
-    combined = []
-    for t, spec in enumerate(snap0.table_specs):
-        states = []
-        for p in parts:
-            if len(p.snap.tables) != len(snap0.table_specs):
-                raise ReshardError(
-                    f"shard {p.snap.shard_index}'s checkpoint holds {len(p.snap.tables)} tables, the model "
-                    f"{len(snap0.table_specs)}"
-                )
-            states.append(p.snap.tables[t])
-        missing = [k for k in (*_ROW_KEYS, *_COUNT_KEYS, "step") if any(k not in s for s in states)]
-        if missing:
-            raise ReshardError(f"table {spec.name!r}: a source shard's state lacks {', '.join(missing)}")
-        merged = {k: np.concatenate([np.asarray(s[k]) for s in states]) for k in (*_ROW_KEYS, *_COUNT_KEYS)}
-        for ids_key in ("ids", "count_ids"):
-            ids = merged[ids_key]
-            if len(np.unique(ids)) != len(ids):
-                raise ReshardError(f"table {spec.name!r}: an ID is held by two source shards")
-        steps = [int(np.asarray(s["step"]).reshape(-1)[0]) for s in states]
-        if len(set(steps)) > 1:
-            # A shard counts only the updates that brought it rows of the table, so a sync job's shards may differ.
-            notes.append(
-                f"table {spec.name!r}: the source shards counted {steps} updates (the step of a row optimizer's bias "
-                f"correction): the new shards take the largest, {max(steps)}"
-            )
-        merged["step"] = np.array([max(steps)], dtype=np.int64)
-        combined.append(merged)
-    return combined
-
-
-def _table_part(
-    merged: dict[str, np.ndarray], owners: tuple[np.ndarray, np.ndarray], shard: int
-) -> dict[str, np.ndarray]:
-    """New shard `shard`'s rows and admission counts of one table, in ascending ID order (RowTable.state's)."""
-    out: dict[str, np.ndarray] = {}
-    for keys, ids_key, owner in ((_ROW_KEYS, "ids", owners[0]), (_COUNT_KEYS, "count_ids", owners[1])):
-        where = np.flatnonzero(owner == shard)
-        where = where[np.argsort(merged[ids_key][where], kind="stable")]
-        for k in keys:
-            out[k] = np.ascontiguousarray(merged[k][where])
-    out["step"] = merged["step"].copy()
-    return out
-
-
-def _union_applied(parts: Sequence[Part]) -> dict[str, list[int]]:
-    """Every source shard's applied pushes (in sync mode the same on each), in first-seen order per worker."""
-    merged: dict[str, dict[int, None]] = {}
-    for p in parts:
-        for worker, steps in p.snap.applied.items():
-            merged.setdefault(worker, {}).update(dict.fromkeys(steps))
-    return {w: list(steps)[-REMEMBERED_STEPS:] for w, steps in merged.items()}
 
 
 # -- the whole --------------------------------------------------------------------------------------------------
@@ -285,10 +118,10 @@ def reshard(
     snap0 = parts[0].snap
     old = place(snap0.specs, n, tables=snap0.table_specs)
     new = place(snap0.specs, shards, tables=snap0.table_specs)
-    plan = _plan_optimizer(parts, allow_mixed, notes)
-    tables = _tables_plan(parts, notes)
+    plan = plan_optimizer(parts, allow_mixed, notes)
+    tables = tables_plan(parts, notes)
     owners = [(shard_of(m["ids"], shards), shard_of(m["count_ids"], shards)) for m in tables]
-    applied = _union_applied(parts)
+    applied = union_applied(parts)
     params = [p.snap.params.detach().reshape(-1) for p in parts]
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -300,7 +133,7 @@ def reshard(
         for j in range(shards):
             state: dict[Any, Any] = {}
             if plan.present:
-                entry: dict[str, Any] = {k: _regather(old, flats, new, j) for k, flats in plan.elementwise.items()}
+                entry: dict[str, Any] = {k: regather(old, flats, new, j) for k, flats in plan.elementwise.items()}
                 entry.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in plan.scalars.items()})
                 state = {0: entry}
             snap = Snapshot(
@@ -310,13 +143,13 @@ def reshard(
                 digest=new.digest,
                 version=version,
                 optimizer=snap0.optimizer,
-                params=_regather(old, params, new, j),
+                params=regather(old, params, new, j),
                 optimizer_state={"state": state, "param_groups": [dict(g) for g in plan.param_groups]},
                 ever_full=snap0.ever_full,
                 applied={w: list(s) for w, s in applied.items()},
                 finished_workers=snap0.finished_workers,
                 table_specs=snap0.table_specs,
-                tables=[_table_part(m, o, j) for m, o in zip(tables, owners, strict=True)],
+                tables=[table_part(m, o, j) for m, o in zip(tables, owners, strict=True)],
             )
             path = checkpoint.save(staging, snap)
             total += path.stat().st_size

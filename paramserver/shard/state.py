@@ -27,11 +27,10 @@ from paramserver.errors import (
     NotPrimary,
     PullTimeout,
     StaleRound,
-    WrongJob,
 )
 from paramserver.placement import TensorSpec
 from paramserver.server.metrics import ShardMetrics
-from paramserver.shard import persistence, status, wal
+from paramserver.shard import persistence, roster, status, wal
 from paramserver.shard.attachments import Attachments, Ticket
 from paramserver.shard.checkpoint import Snapshot
 from paramserver.shard.consistency import make_policy
@@ -62,7 +61,7 @@ log = logging.getLogger(__name__)
 
 
 class Replicator(Protocol):
-    """Where a primary's updates go besides its own log: its backup (paramserver.server.replica)."""
+    """Where a primary's updates go besides its own log: its backup (paramserver.server.replica_leader)."""
 
     def send(self, version: int, parts: Sequence[memoryview | bytes]) -> None:
         """Hand over one encoded update (under the shard's lock, in version order, before the version shows)."""
@@ -109,46 +108,11 @@ class Shard:
 
     def join(self, worker_id: str, job_name: str) -> tuple[int, int]:
         """Add a worker to the job; return (rank, version)."""
-        if job_name and job_name != self.config.job_name:
-            raise WrongJob(
-                f"worker {worker_id!r} belongs to job {job_name!r}, this shard serves job {self.config.job_name!r}"
-            )
-        with self._cond:
-            self.check_serving()
-            new = worker_id not in self.membership.live
-            worker = self.membership.join(worker_id)
-            if new:
-                live = len(self.membership.live)
-                log.info("shard %d: worker %s joined as rank %d (%d live)", self.index, worker_id, worker.rank, live)
-            self.policy.membership_changed(self)
-            self.metrics.live_workers.set(len(self.membership.live))
-            return worker.rank, self.version
+        return roster.join(self, worker_id, job_name)
 
     def leave(self, worker_id: str, finished: bool = False) -> None:
         """Remove a worker; a sync round stops waiting for it. `finished`: it completed its training."""
-        with self._cond:
-            self.attachments.drop(worker_id)
-            if self.membership.leave(worker_id):
-                self.finished_workers += finished
-                log.info(
-                    "shard %d: worker %s left%s (%d live)",
-                    self.index,
-                    worker_id,
-                    " after finishing" if finished else "",
-                    len(self.membership.live),
-                )
-                if finished:
-                    # Saved at once: a shard restarted after this must still count it, or the job never ends.
-                    self.checkpoint_locked()
-                self._membership_changed()
-
-    def _membership_changed(self) -> None:
-        self.policy.membership_changed(self)
-        self.metrics.live_workers.set(len(self.membership.live))
-        self._cond.notify_all()  # a pull held back (sync round, ssp) for a worker that is gone may go on
-        if not self.membership.live and self.finished_workers >= self.config.workers and not self.done.is_set():
-            log.info("shard %d: the job is done: %d workers finished, none live", self.index, self.finished_workers)
-            self.done.set()
+        roster.leave(self, worker_id, finished)
 
     def touch(self, worker_id: str) -> None:
         """Renew a worker's lease."""
@@ -399,20 +363,6 @@ class Shard:
     def closed(self) -> bool:
         """Whether the shard is going away (see `stop_waiting`)."""
         return self._closed
-
-    def evict_expired(self, now: float | None = None) -> None:
-        """Evict the workers whose lease ran out by `now` (call under the lock)."""
-        gone = self.membership.evict_expired(self.config.lease_timeout, now)
-        for worker_id, silent in gone:
-            self.attachments.drop(worker_id)
-            self.stats.evictions += 1
-            self.metrics.evictions.inc()
-            live = len(self.membership.live)
-            log.warning(
-                "shard %d: evicted worker %s after %.1f s of silence (%d live)", self.index, worker_id, silent, live
-            )
-        if gone:
-            self._membership_changed()
 
     def checkpoint_locked(self) -> None:
         """Hand a snapshot to the checkpoint writer now, if there is one (call under the lock)."""

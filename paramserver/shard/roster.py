@@ -1,0 +1,81 @@
+"""The job's workers coming and going, as one shard acts on it: a worker joins, leaves (finished or not) or is
+evicted when its lease runs out, and the shard follows.
+
+Apart from the Shard because each change sets off the same chain, whichever way it came: the consistency policy
+counts the round's workers again, pulls held back for a worker that is gone may go on, a finish is checkpointed at
+once, and the last worker out ends the job. The registry itself (ranks, leases) is paramserver.shard.membership's,
+pure bookkeeping; these are functions of the Shard it lives in, under the shard's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from paramserver.errors import WrongJob
+
+if TYPE_CHECKING:
+    from paramserver.shard.state import Shard
+
+log = logging.getLogger(__name__)
+
+
+def join(shard: Shard, worker_id: str, job_name: str) -> tuple[int, int]:
+    """Add a worker to the job; return (rank, version)."""
+    if job_name and job_name != shard.config.job_name:
+        raise WrongJob(
+            f"worker {worker_id!r} belongs to job {job_name!r}, this shard serves job {shard.config.job_name!r}"
+        )
+    with shard.lock:
+        shard.check_serving()
+        new = worker_id not in shard.membership.live
+        worker = shard.membership.join(worker_id)
+        if new:
+            live = len(shard.membership.live)
+            log.info("shard %d: worker %s joined as rank %d (%d live)", shard.index, worker_id, worker.rank, live)
+        shard.policy.membership_changed(shard)
+        shard.metrics.live_workers.set(len(shard.membership.live))
+        return worker.rank, shard.version
+
+
+def leave(shard: Shard, worker_id: str, finished: bool = False) -> None:
+    """Remove a worker; a sync round stops waiting for it. `finished`: it completed its training."""
+    with shard.lock:
+        shard.attachments.drop(worker_id)
+        if shard.membership.leave(worker_id):
+            shard.finished_workers += finished
+            log.info(
+                "shard %d: worker %s left%s (%d live)",
+                shard.index,
+                worker_id,
+                " after finishing" if finished else "",
+                len(shard.membership.live),
+            )
+            if finished:
+                # Saved at once: a shard restarted after this must still count it, or the job never ends.
+                shard.checkpoint_locked()
+            _changed(shard)
+
+
+def evict_expired(shard: Shard, now: float | None = None) -> None:
+    """Evict the workers whose lease ran out by `now` (call under the lock)."""
+    gone = shard.membership.evict_expired(shard.config.lease_timeout, now)
+    for worker_id, silent in gone:
+        shard.attachments.drop(worker_id)
+        shard.stats.evictions += 1
+        shard.metrics.evictions.inc()
+        live = len(shard.membership.live)
+        log.warning(
+            "shard %d: evicted worker %s after %.1f s of silence (%d live)", shard.index, worker_id, silent, live
+        )
+    if gone:
+        _changed(shard)
+
+
+def _changed(shard: Shard) -> None:
+    shard.policy.membership_changed(shard)
+    shard.metrics.live_workers.set(len(shard.membership.live))
+    shard.lock.notify_all()  # a pull held back (sync round, ssp) for a worker that is gone may go on
+    if not shard.membership.live and shard.finished_workers >= shard.config.workers and not shard.done.is_set():
+        log.info("shard %d: the job is done: %d workers finished, none live", shard.index, shard.finished_workers)
+        shard.done.set()
