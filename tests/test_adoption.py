@@ -255,3 +255,24 @@ def test_a_file_that_does_not_fit_the_model_is_refused(
         load(make_sparse(Shop()), junk)
     header = json.loads(path.read_bytes()[8 : 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]])
     assert json.loads(header["__metadata__"]["tables"])[0]["segments"] == [500]
+
+
+def test_a_summed_loss_is_left_as_it_is_in_an_async_job(ps_cluster_factory: Callable[..., LocalCluster]) -> None:
+    """loss_reduction="sum" scales by the job's workers only where a sync round averages them (tests/
+    test_third_party.py); an async job of two workers applies each push on arrival, as a local step would."""
+    cluster = ps_cluster_factory(ServerConfig(mode="async", workers=2, optimizer="sgd", lr=0.1), shards=1)
+    batch = _batches(1)[0]
+    torch.manual_seed(0)
+    reference = Shop()
+    model = make_sparse(copy.deepcopy(reference))
+    start = reference.fc.weight.detach().clone()
+    with PSClient(cluster.address) as client:
+        assert client.world_size == 2
+        opt = PSOptimizer(model, client, loss_reduction="sum")
+        local = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for m, o in ((model, opt), (reference, local)):
+            o.zero_grad()
+            (_loss(m, batch) * BATCH).backward()
+            o.step()
+        assert torch.allclose(model.fc.weight, reference.fc.weight, atol=1e-6)
+        assert not torch.allclose(model.fc.weight, start, atol=1e-3)

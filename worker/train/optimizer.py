@@ -59,8 +59,9 @@ class PSOptimizer(torch.optim.Optimizer):
 
     `loss_reduction`: how the loss the loop backpropagates combines its batch. "mean" (torch's default): the shards
     average the workers' gradients, so a sync round equals a local step on the combined batch. "sum" (deepctr-torch's
-    fit() sums): each gradient is multiplied by the number of workers before it is pushed, so that the average is
-    the combined batch's sum, as a local step on it would see. `register`: register the model now (False: the
+    fit() sums): in a sync job each gradient is multiplied by the number of workers before it is pushed, so that the
+    average is the combined batch's sum, as a local step on it would see (async and ssp jobs apply each push as it
+    comes: nothing to scale). `register`: register the model now (False: the
     caller did or will).
     """
 
@@ -98,7 +99,7 @@ class PSOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.loss_reduction == "sum" and self.client.world_size > 1:
+        if self.loss_reduction == "sum" and self.client.mode == "sync" and self.client.world_size > 1:
             scale = float(self.client.world_size)
             for p in self.param_groups[0]["params"]:
                 if p.grad is not None:
