@@ -203,12 +203,13 @@ def test_quick_run_draws_the_plot(quick_run: tuple[Path, subprocess.CompletedPro
 def test_readme_summary_is_written_between_the_markers(
     quick_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
 ) -> None:
-    from bench import report
+    from bench import report, report_summary
 
     out, _ = quick_run
     doc = json.loads((out / "latest.json").read_text())
     readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\nbefore\n{report.README_BEGIN}\nstale\n{report.README_END}\nafter\n")
+    begin, end = report_summary.README_BEGIN, report_summary.README_END
+    readme.write_text(f"# x\n\nbefore\n{begin}\nstale\n{end}\nafter\n")
     assert report.update_readme(doc, readme)
     text = readme.read_text()
     assert "stale" not in text and text.startswith("# x\n\nbefore\n") and text.endswith("after\n")
