@@ -39,8 +39,9 @@ def export_rows(
         if header_only:
             view = tables.tables[table]
             cols = view.group.state_cols if optimizer_state else 0
-            head = ps_pb2.ExportRowsMessage.Header(count=view.rows, dim=view.spec.dim, state_cols=cols)
-            head.version = shard.version
+            head = ps_pb2.ExportRowsMessage.Header(
+                count=view.rows, dim=view.spec.dim, state_cols=cols, version=shard.version
+            )
             return iter([ps_pb2.ExportRowsMessage(header=head)])
         state = tables.tables[table].state()  # copies, in ascending ID order
         version = shard.version

@@ -38,7 +38,7 @@ class GivenRows:
                 f"initial rows of table {spec.name!r}: {len(entry.ids)} bytes of IDs and {len(entry.values)} of "
                 f"values where {n} rows of dim {spec.dim} make {8 * n} and {4 * spec.dim * n}"
             )
-        group = self._tables.groups[int(self._tables.group_of(entry.table))]
+        group = self._tables.groups[self._tables.group_of(entry.table)]
         self._bytes += n * (group.row_bytes + ROW_OVERHEAD_BYTES)
         limit = self._tables.table_bytes_limit()
         if self._bytes > limit:

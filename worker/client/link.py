@@ -12,7 +12,7 @@ import logging
 import secrets
 import ssl
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -191,25 +191,6 @@ class ShardLink:
             self.call(lambda: self.rpc.init(header, b.views(k, b.weights_now()), timeout, given_rows(b, k, n)))
         except AlreadyInitialized:
             pass  # another worker won the race with the same model: adopt it
-
-    def export_rows(
-        self, digest: str, table: int, optimizer_state: bool, header_only: bool = False
-    ) -> Iterator[ps_pb2.ExportRowsMessage.Header | ps_pb2.ExportRowsMessage.Rows]:
-        """This shard's rows of one table (ExportRows): its header first (retried while the shard is unavailable),
-        then (unless `header_only`) the rows, about 1 MiB at a time."""
-        req = ps_pb2.ExportRowsRequest(
-            model_digest=digest, table=table, optimizer_state=optimizer_state, header_only=header_only
-        )
-        stream: Iterator[ps_pb2.ExportRowsMessage] = iter(())
-
-        def first() -> ps_pb2.ExportRowsMessage:
-            nonlocal stream
-            stream = self.rpc.stub.ExportRows(req, timeout=self._session.timeout)
-            return next(stream)
-
-        yield self.retry(first).header
-        while (message := self.call(lambda: next(stream, None))) is not None:
-            yield message.rows
 
     # -- exchanges ---------------------------------------------------------------------------------------------
 

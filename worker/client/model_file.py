@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -29,9 +30,11 @@ import torch
 from torch import nn
 
 from paramserver.tables import Initialiser, TableSpec, shard_of
+from paramserver.v1 import ps_pb2
 from worker.client.sparse import SparseEmbedding, tables_of
 
 if TYPE_CHECKING:
+    from worker.client.link import ShardLink
     from worker.client.psclient import PSClient
 
 log = logging.getLogger(__name__)
@@ -89,8 +92,7 @@ def save(
     client.pull(model)
     dense = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
     tables = tables_of(model)
-    binding = client._bind(model)
-    specs = binding.placement.tables
+    specs, digest = client.placement(model).tables, client.digest(model)
     shards = len(client.links)
     layout = _Layout()
     reserved = _reserve(dense, tables, specs, shards, optimizer_state)
@@ -105,7 +107,7 @@ def save(
             os.pwrite(fd, t.reshape(-1).view(torch.uint8).numpy().tobytes(), data_at + at)
         for index, ((name, _), spec) in enumerate(zip(tables, specs, strict=True)):
             for _ in range(ATTEMPTS):
-                counts = _table(client, fd, layout, data_at, binding.digest, index, name, spec.dim, optimizer_state)
+                counts = _table(client, fd, layout, data_at, digest, index, name, spec.dim, optimizer_state)
                 if counts is not None:
                     break
                 log.info("table %r: rows were made or dropped while saving it; saving it again", name)
@@ -147,7 +149,8 @@ def _table(
     before any row arrives; then the shards send their rows one after the other, so that only one stream's messages
     are in flight (gRPC would buffer an open stream's rows while another is read)."""
     links = client.links
-    heads = [next(link.export_rows(digest, index, optimizer_state, header_only=True)) for link in links]
+    timeout = client.timeout
+    heads = [next(_export(link, timeout, digest, index, optimizer_state, header_only=True)) for link in links]
     counts, cols = [int(h.count) for h in heads], int(heads[0].state_cols)
     n = sum(counts)
     layout.rewind(f"{name}.ids")
@@ -156,7 +159,7 @@ def _table(
     state_at = data_at + (layout.add(f"{name}.optimizer_state", "F32", [n, cols], 4 * cols * n) if cols else 0)
     row = 0
     for link, count in zip(links, counts, strict=True):
-        stream = link.export_rows(digest, index, optimizer_state)
+        stream = _export(link, timeout, digest, index, optimizer_state)
         head = next(stream)
         if head.count != count:
             return None
@@ -169,6 +172,26 @@ def _table(
     if row != n:
         raise RuntimeError(f"table {name!r}: the shards announced {n} rows and sent {row}")
     return counts
+
+
+def _export(
+    link: ShardLink, timeout: float, digest: str, table: int, optimizer_state: bool, header_only: bool = False
+) -> Iterator[ps_pb2.ExportRowsMessage.Header | ps_pb2.ExportRowsMessage.Rows]:
+    """One shard's rows of one table (ExportRows): its header first (retried while the shard is unavailable, or
+    on its other copy), then (unless `header_only`) the rows, about 1 MiB at a time."""
+    req = ps_pb2.ExportRowsRequest(
+        model_digest=digest, table=table, optimizer_state=optimizer_state, header_only=header_only
+    )
+    stream: Iterator[ps_pb2.ExportRowsMessage] = iter(())
+
+    def first() -> ps_pb2.ExportRowsMessage:
+        nonlocal stream
+        stream = link.rpc.stub.ExportRows(req, timeout=timeout)
+        return next(stream)
+
+    yield link.retry(first).header
+    while (message := link.call(lambda: next(stream, None))) is not None:
+        yield message.rows
 
 
 def _reserve(

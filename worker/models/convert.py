@@ -31,7 +31,8 @@ def make_sparse(model: nn.Module, *, unbounded: Iterable[str] = (), **table_opti
     on first use by the table's initial rule, none sent). `table_options`: SparseEmbedding's policy options (init,
     init_scale, seed, optimizer, lr, admit_after, admit_probability, evict_after_versions, evict_after_seconds,
     capacity), for every table. ValueError for what cannot be converted exactly: `max_norm`, `scale_grad_by_freq`,
-    mode "max", a frozen weight, or an `unbounded` name that is no embedding of the model.
+    mode "max", a frozen weight, a weight tied to another layer, or an `unbounded` name that is no embedding of
+    the model.
     """
     wanted = set(unbounded)
     # Every path, so that a module registered under two names becomes one table under both.
