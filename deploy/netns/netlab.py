@@ -333,7 +333,9 @@ def fresh_lab(hosts: Mapping[str, int] | None = None) -> Iterator[Lab]:
 
 
 def probe(addresses: Sequence[str], out: str, interval: float) -> int:
-    """Append {"t": unix time, "v": [version of each shard, -1 if unreachable]} to `out` every `interval` s.
+    """Append {"t0": unix time asked, "t": unix time answered, "v": [version of each shard, -1 if unreachable]}
+    to `out` every `interval` s. The versions were current at some moment between t0 and t: the shards' versions
+    only rise, so each is at least the version at t0 and at most the version at t.
 
     Stops on SIGTERM, or when its parent (the test) is gone.
     """
@@ -348,12 +350,13 @@ def probe(addresses: Sequence[str], out: str, interval: float) -> int:
     with open(out, "a", buffering=1) as f:
         while os.getppid() == parent:
             versions = []
+            asked = time.time()
             for stub in stubs:
                 try:
                     versions.append(int(stub.GetTopology(ps_pb2.GetTopologyRequest(), timeout=2).version))
                 except grpc.RpcError:
                     versions.append(-1)
-            f.write(json.dumps({"t": round(time.time(), 3), "v": versions}) + "\n")
+            f.write(json.dumps({"t0": round(asked, 3), "t": round(time.time(), 3), "v": versions}) + "\n")
             time.sleep(interval)
     return 0
 
