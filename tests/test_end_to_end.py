@@ -249,6 +249,16 @@ def _start_ps_server(*args: str) -> tuple[subprocess.Popen[str], str]:
     raise AssertionError(f"ps-server exited with {proc.wait()} before printing its address")
 
 
+def _stop_job(server: subprocess.Popen[str], workers: list[subprocess.Popen[bytes]]) -> None:
+    """Kill the workers still running, then stop ps-server, which must exit 0."""
+    for w in workers:
+        if w.poll() is None:
+            w.kill()
+            w.wait()
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(timeout=30) == 0
+
+
 def _shard_versions(address: str) -> list[int]:
     """Every shard's version, as its Topology says (asked of each shard directly)."""
     with PSClient(address, join=False) as reader:
@@ -290,12 +300,7 @@ def test_ps_server_and_two_ps_workers_reach_the_accuracy_target(tmp_path, mode, 
             assert b"test accuracy" in out
         versions = _shard_versions(address)  # what every shard applied, once both workers are done
     finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-                w.wait()
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=30) == 0
+        _stop_job(server, workers)
     metrics = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
     assert sorted(m["rank"] for m in metrics) == [0, 1]
     for m in metrics:

@@ -7,6 +7,7 @@ between the transports:
     transport                          gradient source                     weights sink
     shared memory (gRPC or doorbell)   the segment's gradient, in place    a copy into the segment under the lock
     data socket                        the frame's payload -> scratch      the weights, lent until the reply is sent
+                                       (compressed: decoded into scratch)
     inline Exchange (gRPC)             the request's chunks -> scratch     chunks in the reply
     Push / Pull streams (gRPC)         the stream's chunks -> scratch      the weights, lent while the stream runs
 
@@ -35,6 +36,7 @@ from paramserver.shard.sparse import RowBlock, SparseIn
 from paramserver.shard.state import Shard
 from paramserver.transport import shm
 from paramserver.v1 import ps_pb2
+from paramserver.wire import compression
 from paramserver.wire.chunks import ChunkReceiver, check_finite, itemsize, iter_chunks
 from paramserver.wire.frames import Payload
 
@@ -126,6 +128,25 @@ class PayloadGradient(GradientSource):
 
     def fill(self, model: ShardModel, grad: np.ndarray) -> None:
         self._payload.read_into([grad], self._dtype, self._raw)
+        check_finite(model.views(grad), model.labels)
+
+
+class CompressedGradient(PayloadGradient):
+    """A data-socket frame's compressed payload (ExchangeRequest.compression): the floats and raw arrays its layout
+    names (paramserver/wire/compression.py), then the exchange's rows, decoded into the scratch buffer."""
+
+    def __init__(
+        self, payload: Payload, dtype: int, compression: ps_pb2.Compression, raw: Sequence[np.ndarray] = ()
+    ) -> None:
+        super().__init__(payload, dtype, raw)
+        self._compression = compression
+
+    def fill(self, model: ShardModel, grad: np.ndarray) -> None:
+        specs = {s.name: s for s in model.placement.specs}
+        layout = compression.layout(self._compression, model.pieces, specs)  # refused before a byte is read
+        values, extra = np.empty(layout.values, np.float32), layout.raw()
+        self._payload.read_into([values], self._dtype, [*extra, *self._raw])
+        layout.decode(values, extra, grad)
         check_finite(model.views(grad), model.labels)
 
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from paramserver.errors import MalformedStream
-from paramserver.server.exchange import ExchangeHandler, LentWeights, PayloadGradient, Want, segment_route
+from paramserver.server.exchange import (
+    CompressedGradient,
+    ExchangeHandler,
+    LentWeights,
+    PayloadGradient,
+    Want,
+    segment_route,
+)
 from paramserver.shard.sparse import MAX_ROWS_BYTES
 from paramserver.transport import shm
 from paramserver.v1 import ps_pb2
@@ -51,14 +58,21 @@ class FrameService:
             raise MalformedStream("rows in a frame travel in its payload, not in the message")
         sparse = model.tables.plan(request.rows, request.lookup)
         attached = self.shard.attachments.get(request.worker_id, model)
+        compressed = request.HasField("compression")
+        if compressed and not request.push:
+            raise MalformedStream("compression describes a pushed gradient: set push, or leave compression unset")
         if isinstance(attached, shm.Segment):
+            if compressed:
+                raise MalformedStream("a compressed push travels on the data socket; a segment holds the part whole")
             # The dense part travels in the segment; the payload holds the rows and IDs alone.
             payload.read_into([], FLOAT32, sparse.targets())
             source, sink = segment_route(attached, request, model)
             reply = self.handler.exchange(want, model, source, sink, timeout, sparse)
             return Reply(reply, raw=sparse.answers)
         dtype = wire_dtype(request.dtype)
-        if request.push:
+        if compressed:
+            source = CompressedGradient(payload, dtype, request.compression, sparse.targets())
+        elif request.push:
             source = PayloadGradient(payload, dtype, sparse.targets())
         else:
             if payload.size != sparse.nbytes:

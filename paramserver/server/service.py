@@ -302,6 +302,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Exchange(self, request: ps_pb2.ExchangeRequest, context: grpc.ServicerContext) -> ps_pb2.ExchangeResponse:
         with rpc_errors(context, "Exchange", self.handler.rejected):
             model = self.handler.model(request.model_digest)
+            if request.HasField("compression"):
+                raise MalformedStream("a compressed push travels on a data socket, not in a gRPC Exchange")
             if request.inline:
                 source, sink = self._inline_route(request, model)
             elif request.push or request.pull:

@@ -383,7 +383,7 @@ class AttachResponse(_message.Message):
     def __init__(self, doorbell: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
-    __slots__ = ("worker_id", "model_digest", "push", "step", "base_version", "pull", "min_version", "incarnation", "inline", "dtype", "chunks", "rows", "lookup")
+    __slots__ = ("worker_id", "model_digest", "push", "step", "base_version", "pull", "min_version", "incarnation", "inline", "dtype", "chunks", "rows", "lookup", "compression")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +397,7 @@ class ExchangeRequest(_message.Message):
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_digest: str
     push: bool
@@ -410,7 +411,26 @@ class ExchangeRequest(_message.Message):
     chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
     rows: _containers.RepeatedCompositeFieldContainer[Rows]
     lookup: _containers.RepeatedCompositeFieldContainer[Rows]
-    def __init__(self, worker_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., push: _Optional[bool] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., pull: _Optional[bool] = ..., min_version: _Optional[int] = ..., incarnation: _Optional[str] = ..., inline: _Optional[bool] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., rows: _Optional[_Iterable[_Union[Rows, _Mapping]]] = ..., lookup: _Optional[_Iterable[_Union[Rows, _Mapping]]] = ...) -> None: ...
+    compression: Compression
+    def __init__(self, worker_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., push: _Optional[bool] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., pull: _Optional[bool] = ..., min_version: _Optional[int] = ..., incarnation: _Optional[str] = ..., inline: _Optional[bool] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., rows: _Optional[_Iterable[_Union[Rows, _Mapping]]] = ..., lookup: _Optional[_Iterable[_Union[Rows, _Mapping]]] = ..., compression: _Optional[_Union[Compression, _Mapping]] = ...) -> None: ...
+
+class Compression(_message.Message):
+    __slots__ = ("kind", "count", "rank")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[Compression.Kind]
+        TOP_K: _ClassVar[Compression.Kind]
+        POWER_SGD: _ClassVar[Compression.Kind]
+    KIND_UNSPECIFIED: Compression.Kind
+    TOP_K: Compression.Kind
+    POWER_SGD: Compression.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    kind: Compression.Kind
+    count: int
+    rank: int
+    def __init__(self, kind: _Optional[_Union[Compression.Kind, str]] = ..., count: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class ExchangeResponse(_message.Message):
     __slots__ = ("version", "applied", "pulled", "chunks", "rows", "rows_version")

@@ -38,6 +38,7 @@ from paramserver.transport import shm
 from paramserver.transport.socket_client import FrameClient, split_host
 from paramserver.v1 import ps_pb2
 from worker.client.binding import Binding
+from worker.client.compress import Compressor
 from worker.client.rows import given_rows
 from worker.client.transports import Answer, DataSocket, Grpc, Job, SharedMemory, SparseJob, Transport, Turns
 
@@ -77,6 +78,7 @@ class Session:
     tls_server_name: str | None
     joined: bool = False
     registered: Binding | None = None  # the model to re-initialise a shard with that lost it
+    compressor: Compressor | None = None  # compresses pushes on the data socket (PSClient's `compress`)
     # Set by PSClient.close: a call still in flight on another thread then ends at its first failure instead of
     # retrying, joining again or re-initialising (a server that later takes the port would otherwise see it).
     closed: bool = False
@@ -225,6 +227,9 @@ class ShardLink:
             dtype=s.dtype,
         )
         job = Job(request, b, self.index, self.address, grads, flats, turns, s.timeout, sparse)
+        if pushed and s.compressor is not None:
+            compressor, k = s.compressor, self.index
+            job.compress = lambda views: compressor.encode(b, k, views, step, s.dtype)
         answer: Answer = transport.begin(job)
 
         def finish() -> int:

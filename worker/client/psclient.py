@@ -31,6 +31,7 @@ from paramserver.wire.chunks import CHUNK_BYTES, itemsize, wire_dtype
 from worker.client import model_file
 from worker.client.binding import Binding, TensorDict, Tensors, tensors_of
 from worker.client.channels import REPLICA_KEEPALIVE, channel_options, first_contact
+from worker.client.compress import Compressor, Scheme
 from worker.client.fanout import each, fan_out
 from worker.client.link import Session, ShardLink
 from worker.client.membership import Membership
@@ -79,6 +80,10 @@ class PSClient:
     weights come back while the next one's gradient goes out (True), or to all at once (False); None (the
     default): in turn for shards reached over a network, where a link is the limit, at once for a shard on a
     loopback address, where memory copies on several cores are.
+
+    `compress`: 'topk:RATIO' or 'powersgd:RANK' compresses each push over a data socket (a shard on another host),
+    keeping what it leaves out for the next push (error feedback; worker/client/compress.py). None (the default):
+    pushes go whole.
     """
 
     def __init__(
@@ -100,6 +105,7 @@ class PSClient:
         shared_memory: bool = True,
         data_socket: bool = True,
         push_in_turn: bool | None = None,
+        compress: str | None = None,
     ) -> None:
         self.worker_id = worker_id or uuid.uuid4().hex
         self.job_name = job_name
@@ -122,6 +128,7 @@ class PSClient:
             push_in_turn=push_in_turn,
             tls=client_ssl_context(tls_ca, tls_cert, tls_key),
             tls_server_name=tls_server_name,
+            compressor=Compressor(Scheme.parse(compress)) if compress else None,
         )
         credentials = channel_credentials(tls_ca, tls_cert, tls_key)
         options = channel_options()

@@ -29,6 +29,7 @@ from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire import codec
 from paramserver.wire.chunks import CHUNK_BYTES, ChunkReceiver, itemsize, iter_chunks
 from worker.client.binding import Binding
+from worker.client.compress import Encoded
 
 # A shard's part of the model up to this many wire bytes goes inline in one unary Exchange per step (a small model
 # on another host: one call, not two streams); larger parts are streamed in chunks.
@@ -143,6 +144,9 @@ class Job:
     turns: Turns
     timeout: float
     sparse: SparseJob | None = None  # rows pushed with the gradient, rows looked up
+    # The push's part compressed (worker/client/compress.py), from its pieces' gradients: None where it goes whole.
+    # Only the data socket calls it; elsewhere the part goes whole and the compressor's remainder waits.
+    compress: Callable[[list[np.ndarray]], Encoded | None] | None = None
 
     @property
     def shards(self) -> int:
@@ -418,8 +422,13 @@ class DataSocket(Transport):
         raw_in = sparse.raw_in() if sparse is not None else []
 
         def send() -> None:
+            arrays, raw = sent, raw_out
+            encoded = job.compress(sent) if job.compress is not None and sent else None
+            if encoded is not None:
+                req.compression.CopyFrom(encoded.message)
+                arrays, raw = [encoded.values], [*encoded.raw, *raw_out]
             try:
-                bell.send(req, job.timeout, sent, req.dtype, raw_out)
+                bell.send(req, job.timeout, arrays, req.dtype, raw)
             except OSError as exc:
                 raise self._lost(exc, self._address) from None
 

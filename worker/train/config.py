@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from paramserver.config import config_field
 from paramserver.wire import dtypes
+from worker.client.compress import Scheme
 from worker.models.builtin import BUILTIN_MODELS
 from worker.models.clicks import CLICK_MODELS, TableOptions
 from worker.train.losses import LOSSES, check_loss_spec, check_step_spec
@@ -67,6 +68,13 @@ class TrainConfig:
         "come back while the next one's gradient goes out (25 MB over 400 Mbit/s: 0.82 s against 1.01 s a step); "
         "auto: for shards reached over a network, not for a loopback address (copies, not a link, are the limit)",
         choices=("auto", "on", "off"),
+    )
+    compress: str | None = config_field(
+        None,
+        "compress each push over a data socket (a shard on another host): topk:RATIO sends about RATIO of the "
+        "gradient's elements, the largest; powersgd:RANK each weight matrix as two rank-RANK factors. What a push "
+        "leaves out is added to the next (error feedback), so nothing is lost, only delayed. Combines with "
+        "--wire-dtype. Default: pushes go whole",
     )
     clip_grad_norm: float | None = config_field(
         None,
@@ -184,6 +192,8 @@ class TrainConfig:
             raise ValueError(f"clip-grad-norm must be positive, not {self.clip_grad_norm}")
         if not 1 <= self.accumulate <= self.batch_size:
             raise ValueError(f"accumulate must be in [1, batch-size], not {self.accumulate}")
+        if self.compress is not None:
+            Scheme.parse(self.compress)  # a ValueError that names the flag and what it takes
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
         if self.embedding_dim < 1 or self.table_size < 0 or self.table_capacity < 0:

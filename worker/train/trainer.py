@@ -168,6 +168,7 @@ def train(
         shared_memory=config.shared_memory,
         data_socket=config.data_socket,
         push_in_turn={"auto": None, "on": True, "off": False}[config.push_in_turn],
+        compress=config.compress,
         timeout=config.timeout,
         connect_timeout=config.connect_timeout,
         tls_ca=config.tls_ca,

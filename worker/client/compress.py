@@ -1,0 +1,202 @@
+"""A worker's compressed pushes (`PSClient(compress=...)`, `ps-worker --compress`): top-k or PowerSGD with error
+feedback, encoded in the layouts of paramserver/wire/compression.py, one shard's part at a time.
+
+Error feedback keeps, per shard part, what the pushes so far left out: each push compresses the gradient plus that
+remainder, and the new remainder is what the shard will not see (after the wire dtype's rounding too), so nothing a
+step computed is lost, only delayed. The shard decodes each worker's payload and sums, so workers never gather
+one another's factors.
+
+- top-k (`topk:RATIO`): about RATIO of the part's parameter elements, the largest in magnitude. The threshold is
+  estimated from a random sample of the magnitudes, as Deep Gradient Compression does, because torch.topk costs
+  5-10x more on a CPU (220-340 ms against about 60 ms for 12.5 M elements, measured here).
+- PowerSGD (`powersgd:RANK`): each matrix-shaped piece as P (rows x RANK) and Q (cols x RANK), one power
+  iteration a step from the last step's Q (Vogels et al. 2019; torch's PowerSGD DDP hook). Each worker
+  approximates its own gradient; the shard adds the products.
+
+Only the data socket carries compressed pushes (the transport between hosts, where bytes cost). Over shared
+memory or gRPC a push goes whole and the remainder waits for the next compressed one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from paramserver.placement import Piece, TensorSpec
+from paramserver.v1 import ps_pb2
+from paramserver.wire import compression
+from paramserver.wire.chunks import FLOAT32, decode_into, encode, itemsize
+from worker.client.binding import Binding
+
+SAMPLE = 1 << 16  # magnitudes sampled for top-k's threshold
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """What `--compress` names: top-k with a ratio, or PowerSGD with a rank."""
+
+    kind: int  # a ps_pb2.Compression.Kind value
+    ratio: float = 0.0
+    rank: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Scheme:
+        """`topk:RATIO` (0 < RATIO < 1) or `powersgd:RANK` (1 .. 64); ValueError naming what is wrong."""
+        name, _, arg = text.partition(":")
+        try:
+            if name == "topk":
+                ratio = float(arg)
+                if 0.0 < ratio < 1.0:
+                    return cls(compression.TOP_K, ratio=ratio)
+            elif name == "powersgd":
+                rank = int(arg)
+                if 1 <= rank <= compression.MAX_RANK:
+                    return cls(compression.POWER_SGD, rank=rank)
+        except ValueError:
+            pass
+        raise ValueError(
+            f"--compress {text!r}: give topk:RATIO (0 < RATIO < 1, e.g. topk:0.01) or powersgd:RANK "
+            f"(1 to {compression.MAX_RANK}, e.g. powersgd:4)"
+        )
+
+    def __str__(self) -> str:
+        return f"topk:{self.ratio:g}" if self.kind == compression.TOP_K else f"powersgd:{self.rank}"
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One shard's compressed push: its floats (float32, sent in the wire dtype), its raw arrays, its message."""
+
+    values: np.ndarray
+    raw: list[np.ndarray]
+    message: ps_pb2.Compression
+
+
+@dataclass
+class _Part:
+    """One shard part's memory: the remainder, PowerSGD's Qs, and the last push (a retry sends it again)."""
+
+    flat: np.ndarray  # the remainder of the part's parameter elements (buffers are values, never compressed)
+    residual: list[np.ndarray]  # per piece, its view of `flat` (empty for a buffer)
+    rng: np.random.Generator  # top-k's samples (one per part: the parts are encoded on threads of their own)
+    torch_rng: torch.Generator  # PowerSGD's first Qs
+    qs: dict[int, torch.Tensor] = field(default_factory=dict)  # piece index -> cols x rank
+    last: tuple[int, Encoded | None] = (-1, None)
+
+    @classmethod
+    def of(cls, pieces: tuple[Piece, ...], specs: dict[str, TensorSpec], seed: int) -> _Part:
+        lengths = [0 if specs[p.name].buffer else p.length for p in pieces]
+        flat = np.zeros(sum(lengths), np.float32)
+        ends = np.cumsum(lengths)
+        views = [flat[end - n : end] for n, end in zip(lengths, ends, strict=True)]
+        return cls(flat, views, np.random.default_rng(seed), torch.Generator().manual_seed(seed))
+
+
+def _wire(values: np.ndarray, dtype: int) -> np.ndarray:
+    """A copy of the values as the shard will read them: rounded through the wire dtype."""
+    if dtype == FLOAT32:
+        return values.copy()
+    out = np.empty_like(values)
+    decode_into(out, encode(values, dtype), dtype)
+    return out
+
+
+class Compressor:
+    """Encodes a worker's pushes, shard part by shard part, keeping each part's error feedback."""
+
+    def __init__(self, scheme: Scheme, seed: int = 0) -> None:
+        self.scheme = scheme
+        self._seed = seed
+        self._parts: dict[tuple[str, int], _Part] = {}
+
+    def remainder(self, digest: str, shard: int) -> np.ndarray:
+        """A copy of what error feedback holds back for this model's part on `shard`: its parameter elements in
+        piece order, buffers left out (empty before its first push)."""
+        part = self._parts.get((digest, shard))
+        return part.flat.copy() if part is not None else np.zeros(0, np.float32)
+
+    def encode(self, b: Binding, shard: int, views: list[np.ndarray], step: int, dtype: int) -> Encoded | None:
+        """The compressed payload of shard `shard`'s part of this push (views: its pieces' gradients), or None where
+        compression would not make it smaller (the part then goes whole; its remainder waits). The same step asked
+        again (a retry) gets the same payload."""
+        pieces = b.placement.shards[shard]
+        specs = {s.name: s for s in b.placement.specs}
+        part = self._parts.get((b.digest, shard))
+        if part is None:
+            part = self._parts[(b.digest, shard)] = _Part.of(pieces, specs, self._seed * 1000 + shard)
+        if part.last[0] == step:
+            return part.last[1]
+        if self.scheme.kind == compression.TOP_K:
+            encoded = self._top_k(part, pieces, specs, views, dtype)
+        else:
+            encoded = self._power_sgd(part, pieces, specs, views, dtype)
+        part.last = (step, encoded)
+        return encoded
+
+    def _top_k(
+        self, part: _Part, pieces: tuple[Piece, ...], specs: dict[str, TensorSpec], views: list[np.ndarray], dtype: int
+    ) -> Encoded | None:
+        params = [k for k, p in enumerate(pieces) if not specs[p.name].buffer]
+        n = sum(len(views[k]) for k in params)
+        want = max(1, math.ceil(self.scheme.ratio * n))
+        size_of = itemsize(dtype)
+        if not params or want * (size_of + compression.INDEX.itemsize) >= n * size_of:
+            return None
+        for k in params:  # the gradient plus what earlier pushes left out
+            np.add(part.residual[k], views[k], out=part.residual[k])
+        m = part.flat
+        size = np.abs(m)
+        sample = size[part.rng.integers(0, n, min(n, SAMPLE))]
+        keep = max(1, round(self.scheme.ratio * len(sample)))
+        threshold = np.partition(sample, len(sample) - keep)[len(sample) - keep]
+        index = np.flatnonzero(size >= threshold) if threshold > 0 else np.flatnonzero(size)
+        if len(index) > 2 * want:  # a sample that missed the tail: the largest `want` of those over it
+            index = np.sort(index[np.argpartition(size[index], len(index) - want)[len(index) - want :]])
+        if len(index) == 0:
+            index = np.array([int(np.argmax(size))])
+        sent = _wire(m[index], dtype)
+        m[index] -= sent  # the remainder: what the shard does not get
+        buffers = [views[k] for k, p in enumerate(pieces) if specs[p.name].buffer]
+        values = np.concatenate([*buffers, sent]).astype(np.float32, copy=False)
+        message = ps_pb2.Compression(kind=compression.TOP_K, count=len(index))
+        return Encoded(values, [index.astype(compression.INDEX)], message)
+
+    def _power_sgd(
+        self, part: _Part, pieces: tuple[Piece, ...], specs: dict[str, TensorSpec], views: list[np.ndarray], dtype: int
+    ) -> Encoded | None:
+        rank = self.scheme.rank
+        matrices = [compression.matrix_of(p, specs[p.name], rank) for p in pieces]
+        if not any(matrices):
+            return None
+        out: list[np.ndarray] = []
+        for k, (piece, m) in enumerate(zip(pieces, matrices, strict=True)):
+            if specs[piece.name].buffer:
+                out.append(views[k])
+                continue
+            full = part.residual[k]
+            np.add(full, views[k], out=full)
+            if m is None:
+                sent = _wire(full, dtype)
+                out.append(sent)
+                full -= sent
+                continue
+            head, body, tail = full[: m.head], full[m.head : m.head + m.rows * m.cols], full[len(full) - m.tail :]
+            mat = torch.from_numpy(body).view(m.rows, m.cols)
+            q = part.qs.get(k)
+            if q is None:
+                q = torch.randn(m.cols, rank, generator=part.torch_rng)
+            p, _ = torch.linalg.qr(mat @ q)  # P = orthonormal basis of M Q
+            q = mat.t() @ p
+            part.qs[k] = q
+            p_sent = _wire(p.contiguous().numpy().reshape(-1), dtype)
+            q_sent = _wire(q.contiguous().numpy().reshape(-1), dtype)
+            head_sent, tail_sent = _wire(head, dtype), _wire(tail, dtype)
+            out += [head_sent, p_sent, q_sent, tail_sent]
+            mat -= torch.from_numpy(p_sent).view(m.rows, rank) @ torch.from_numpy(q_sent).view(m.cols, rank).t()
+            head -= head_sent
+            tail -= tail_sent
+        values = np.concatenate(out).astype(np.float32, copy=False)
+        return Encoded(values, [], ps_pb2.Compression(kind=compression.POWER_SGD, rank=rank))
