@@ -17,7 +17,8 @@ import warnings
 from datetime import timedelta
 from typing import Any
 
-from bench.common import MLP_PARAMS, Channel, Figure, Plan, Processes, free_port, gbps, log, ms, schedule
+from bench.common import Channel, Figure, Processes, free_port, gbps, log, ms, schedule
+from bench.plan import MLP_PARAMS, Plan
 
 SECTION = "baselines"
 TIMEOUT = 600.0

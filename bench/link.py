@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Figure, Plan, Processes, log, median
+from bench.common import Figure, Processes, log, median
+from bench.plan import Plan
 
 SECTION = "link"
 MODEL = "cnn"
@@ -76,11 +78,12 @@ def _start_shards(lab: Any, work: Path, mode: str, *extra: str) -> list[subproce
     return shards
 
 
-def _exchange_once(lab: Any, work: Path, plan: Plan, wire: str, in_turn: bool) -> list[float]:
+def _exchange_once(lab: Any, work: Path, plan: Plan, wire: str, in_turn: bool, compress: str = "") -> list[float]:
     """Milliseconds of each timed push_pull of one worker process in the worker's host."""
     argv = [
         sys.executable, str(Path(__file__).resolve()), "exchange", "--numel", str(plan.link_payload),
         "--repeats", str(plan.repeats), "--dtype", wire, "--push-in-turn", "on" if in_turn else "off",
+        *(["--compress", compress] if compress else []),
     ]  # fmt: skip
     out = work / "exchange.log"
     proc = lab.popen("worker-0", argv, out, env={"PYTHONPATH": str(ROOT)})
@@ -105,6 +108,20 @@ def _gloo_once(lab: Any, work: Path, plan: Plan) -> list[float]:
     return json.loads((work / "gloo-0.log").read_text().strip().splitlines()[-1])["ms"]
 
 
+def gloo_figure(fid: str, section: str, label: str, rate: str, gloo: list[float], **params: Any) -> Figure:
+    """The figure of gloo's all_reduce of `label` (ms, each repeat) between 2 workers on `rate` links."""
+    log(f"{section} {rate} gloo all_reduce {label}: {median(gloo):.1f} ms")
+    return Figure(
+        id=fid,
+        section=section,
+        title=f"gloo all_reduce of {label} float32 between 2 workers, each on a {rate} link",
+        unit="ms",
+        repeats=[round(x, 2) for x in gloo],
+        params={"payload": label, "rate": rate, "workers": 2, **params},
+        warmup=1,
+    )
+
+
 def _exchange_figures(lab: Any, work: Path, plan: Plan) -> list[Figure]:
     """The push_pull of `Plan.link_payload` parameters over the link, in turn and at once, and gloo's all_reduce of
     the same bytes (interleaved)."""
@@ -120,18 +137,7 @@ def _exchange_figures(lab: Any, work: Path, plan: Plan) -> list[Figure]:
         lab.stop_all()
     label = f"{plan.link_payload * 4 / 1e6:g}MB"
     gloo_id = f"{SECTION}.gloo.{label}"
-    log(f"link {plan.link_rate} gloo all_reduce {label}: {median(gloo):.1f} ms")
-    figures = [
-        Figure(
-            id=gloo_id,
-            section=SECTION,
-            title=f"gloo all_reduce of {label} between 2 workers, each on a {plan.link_rate} link",
-            unit="ms",
-            repeats=[round(x, 2) for x in gloo],
-            params={"payload": label, "rate": plan.link_rate, "workers": 2},
-            warmup=1,
-        )
-    ]
+    figures = [gloo_figure(gloo_id, SECTION, label, plan.link_rate, gloo)]
     for (wire, in_turn), ms in times.items():
         way = "in-turn" if in_turn else "at-once"
         log(f"link {plan.link_rate} push_pull {label} {wire}, pushes {way}: {median(ms):.1f} ms")
@@ -236,6 +242,7 @@ def _exchange_main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--push-in-turn", choices=("on", "off"), required=True)
+    parser.add_argument("--compress", default=None)
     args = parser.parse_args(argv)
     import torch
 
@@ -243,9 +250,17 @@ def _exchange_main(argv: list[str]) -> int:
     from worker import PSClient
 
     torch.set_num_threads(1)
-    model = {name: torch.randn(n) for name, n in dense_tensors(args.numel)}
-    grads = {name: torch.full_like(t, 1e-3) for name, t in model.items()}
-    with PSClient(args.address, dtype=args.dtype, shared_memory=False, push_in_turn=args.push_in_turn == "on") as c:
+    # Weight matrices as near-square as their size allows (what PowerSGD factors), gradients of mixed magnitudes
+    # (what top-k chooses among).
+    model = {name: torch.randn(_matrix(n)) for name, n in dense_tensors(args.numel)}
+    grads = {name: torch.randn_like(t).mul_(1e-3) for name, t in model.items()}
+    with PSClient(
+        args.address,
+        dtype=args.dtype,
+        shared_memory=False,
+        push_in_turn=args.push_in_turn == "on",
+        compress=args.compress,
+    ) as c:
         c.register(model)
         ms = []
         for i in range(1 + args.repeats):  # the first one is a warm-up
@@ -255,6 +270,12 @@ def _exchange_main(argv: list[str]) -> int:
                 ms.append((time.perf_counter() - t0) * 1e3)
     print(json.dumps({"ms": ms}), flush=True)
     return 0
+
+
+def _matrix(n: int) -> tuple[int, int]:
+    """The most nearly square (rows, cols) of n elements."""
+    rows = max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)
+    return rows, n // rows
 
 
 def _gloo_main(argv: list[str]) -> int:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from bench.common import MB, Child, Figure, Plan, Processes, log, schedule
+from bench.common import MB, Child, Figure, Processes, log, schedule
+from bench.plan import Plan
 from bench.transport import dense_tensors
 
 SECTION = "memory"

@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Channel, Figure, Plan, Processes, log, median, ms, schedule
+from bench.common import Channel, Figure, Processes, log, median, ms, schedule
+from bench.plan import Plan
 
 SECTION = "replication"
 TIMEOUT = 600.0

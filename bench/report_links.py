@@ -204,6 +204,79 @@ def link(ix: _Index) -> list[str]:
     return lines
 
 
+def compress(ix: _Index) -> list[str]:
+    figs = ix.section("compress")
+    if not figs:
+        return []
+    lines = [
+        "## Compress: --compress over links of several rates (1 worker and 2 shards on hosts of their own, tbf)",
+        "",
+        "Exchange: one push_pull of 4 square weight matrices (random gradients), pushes in turn; gloo: all_reduce of "
+        "the same float32 bytes between 2 workers on such links (what DDP pays a step). Target (issue 29): at most "
+        "0.5x gloo at 400mbit.",
+        "",
+    ]
+    rates = list(dict.fromkeys(f["params"]["rate"] for f in figs))
+    rows = []
+    for rate in rates:
+        gloo = ix.get(f"compress.{rate}.gloo")
+        if gloo is not None:
+            rows.append(
+                [rate, f"all_reduce (gloo) {gloo['params']['payload']}", "float32", "", fmt(gloo["median"]), "", ""]
+            )
+        for f in figs:
+            p = f["params"]
+            if p["rate"] != rate or ".step." not in f["id"]:
+                continue
+            ratios = f.get("ratios", {})
+            rows.append(
+                [
+                    rate,
+                    f"push_pull {p['payload']}",
+                    p["wire"],
+                    p["compress"] or "whole",
+                    fmt(f["median"]),
+                    fmt(ratios.get(f"compress.{rate}.gloo"), "x"),
+                    fmt(ratios.get(f"compress.{rate}.step.bf16.whole"), "x"),
+                ]
+            )
+    lines += [*_table(["link", "exchange", "wire", "compress", "ms", "× gloo", "× bf16 whole"], rows), ""]
+    tta = [f for f in figs if ".tta." in f["id"]]
+    if tta:
+        rows = []
+        for f in tta:
+            p, e = f["params"], f.get("extra", {})
+            rate = p["rate"]
+            sps = ix.get(f["id"].replace(".tta.", ".sps."))
+            base = "compress.{}.{}.bf16.whole"
+            rows.append(
+                [
+                    rate,
+                    p["wire"],
+                    p["compress"] or "whole",
+                    fmt(f["median"]),
+                    fmt(f.get("ratios", {}).get(base.format(rate, "tta")), "x"),
+                    fmt(_median(e.get("test_accuracy") or [])),
+                    fmt(_median(e.get("step_ms") or [])),
+                    fmt(sps["median"]) if sps else "—",
+                    fmt((sps or {}).get("ratios", {}).get(base.format(rate, "sps")), "x"),
+                ]
+            )
+        p0 = tta[0]["params"]
+        big = next((f for f in figs if ".sps." in f["id"]), None)
+        header = ["link", "wire", "compress", "s to target", "× bf16", "accuracy", "step ms", "MLP samples/s", "× bf16"]
+        lines += [
+            f"Training, 1 worker, sync, fresh shards each run: the CNN on digits (batch {p0['batch_size']}, "
+            f"{p0['epochs']} epochs, tested after each: seconds until the first test at the target, the accuracy at "
+            f"the end, ms a step) and {big['params']['model'] if big else 'the MLP'} (batch 128, "
+            f"{big['params']['steps'] if big else '?'} steps: samples/s).",
+            "",
+            *_table(header, rows),
+            "",
+        ]
+    return lines
+
+
 _STREAM_READERS = {
     "local": "local disk, prefetch 2",
     "prefetch": "HTTP, prefetch 2",

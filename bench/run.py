@@ -41,6 +41,7 @@ if str(ROOT) not in sys.path:  # `python bench/run.py` puts bench/, not the repo
 
 from bench import (  # noqa: E402
     baselines,
+    compress,
     link,
     memory,
     replication,
@@ -52,7 +53,8 @@ from bench import (  # noqa: E402
     training,
     transport,
 )
-from bench.common import Figure, Plan, Processes, log, machine_facts, write_atomic  # noqa: E402
+from bench.common import Figure, Processes, log, machine_facts, write_atomic  # noqa: E402
+from bench.plan import Plan  # noqa: E402
 
 SECTIONS = {
     "transport": transport.run,
@@ -64,6 +66,7 @@ SECTIONS = {
     "sparse_peer": sparse_peer.run,
     "replication": replication.run,
     "link": link.run,
+    "compress": compress.run,
     "stream": stream.run,
 }
 DEFAULT_OUT = ROOT / "bench" / "results"

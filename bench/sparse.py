@@ -29,7 +29,8 @@ import warnings
 from typing import Any
 
 from bench import sparse_memory, sparse_overlap
-from bench.common import Channel, Child, Figure, Plan, Processes, cpu_seconds, log, median, ms
+from bench.common import Channel, Child, Figure, Processes, cpu_seconds, log, median, ms
+from bench.plan import Plan
 from bench.sparse_memory import BATCH, zipf_ids
 
 SECTION = "sparse"

@@ -23,7 +23,8 @@ import time
 import warnings
 from typing import Any
 
-from bench.common import Channel, Child, Figure, Plan, Processes, cpu_seconds, log, median
+from bench.common import Channel, Child, Figure, Processes, cpu_seconds, log, median
+from bench.plan import Plan
 
 SECTION = "sparse_many"
 TIMEOUT = 900.0

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Channel, Figure, Plan, Processes, log, median, ms
+from bench.common import Channel, Figure, Processes, log, median, ms
+from bench.plan import Plan
 
 SECTION = "sparse"
 MODULE = "sparse_memory"

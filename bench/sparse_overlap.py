@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.common import Child, Figure, Plan, Processes, log, median
+from bench.common import Child, Figure, Processes, log, median
+from bench.plan import Plan
 
 SHARDS = 2
 TARGET = 1.0  # the overlapped worker's samples/s ÷ the local process's

@@ -21,7 +21,8 @@ import os
 import time
 from typing import Any
 
-from bench.common import Channel, Child, Figure, Plan, Processes, cpu_seconds, free_port, log, median, ms
+from bench.common import Channel, Child, Figure, Processes, cpu_seconds, free_port, log, median, ms
+from bench.plan import Plan
 
 SECTION = "sparse_peer"
 TIMEOUT = 600.0

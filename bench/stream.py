@@ -32,8 +32,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, Figure, Plan, Processes, log, median
+from bench.common import ROOT, Figure, Processes, log, median
 from bench.link import _netlab, unavailable
+from bench.plan import Plan
 
 SECTION = "stream"
 TIMEOUT = 600.0

@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.common import Channel, Child, Figure, Plan, Processes, log, median
+from bench.common import Channel, Child, Figure, Processes, log, median
+from bench.plan import Plan
 
 SECTION = "training"
 TIMEOUT = 900.0

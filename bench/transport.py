@@ -18,7 +18,8 @@ import tempfile
 import time
 from typing import Any
 
-from bench.common import MLP_PARAMS, Channel, Figure, Plan, Processes, gbps, log, median, ms, schedule
+from bench.common import Channel, Figure, Processes, gbps, log, median, ms, schedule
+from bench.plan import MLP_PARAMS, Plan
 
 SECTION = "transport"
 WIRES = ("shm", "socket", "float32")  # every case; the bf16 wires on one

@@ -1,5 +1,6 @@
-"""The benchmark's link and stream sections on tiny sizes: training and push_pull over a bandwidth-limited link
-between network namespaces, and a worker's data streamed over HTTP through one (root only). Run by
+"""The benchmark's link, compress and stream sections on tiny sizes: training and push_pull over a bandwidth-limited
+link between network namespaces (whole and compressed), and a worker's data streamed over HTTP through one (root
+only). Run by
 `make netns-test`, beside the multi-host tests:
 
     sudo PS_MULTIHOST=1 .venv/bin/python -m pytest tests/test_bench_link.py -v
@@ -42,6 +43,28 @@ def test_quick_link_section_measures_overlap_and_pushes_in_turn(tmp_path: Path) 
         assert in_turn["ratios"].keys() == {f"link.step.4MB.s2.w1.{wire}.at-once", "link.gloo.4MB"}
     assert all(f["median"] > 0 for f in doc["figures"] if f["section"] == "link")
     assert "## Link" in (tmp_path / "latest.md").read_text()
+
+
+@pytest.mark.timeout(LIMIT_S)
+def test_quick_compress_section_measures_compressed_pushes_against_gloo_and_bf16(tmp_path: Path) -> None:
+    why = unavailable()
+    if why:
+        pytest.skip(f"the compress section cannot run here: {why}")
+    result = run_quick(tmp_path, ("compress",))
+    assert result.returncode == 0, result.stderr[-4000:]
+    doc = json.loads((tmp_path / "latest.json").read_text())
+    assert doc["sections"]["compress"]["ok"], doc["sections"]
+    by_id = {f["id"]: f for f in doc["figures"] if f["section"] == "compress"}
+    prefix = "compress.400mbit"
+    for name in ("float32.whole", "bf16.topk0.01", "bf16.powersgd4", "float32.topk0.01"):
+        assert by_id[f"{prefix}.step.{name}"]["ratios"].keys() == {f"{prefix}.gloo", f"{prefix}.step.bf16.whole"}
+    for kind in ("tta", "sps"):
+        for name in ("bf16.topk0.01", "bf16.powersgd4"):
+            assert by_id[f"{prefix}.{kind}.{name}"]["compare"] == [f"{prefix}.{kind}.bf16.whole"]
+    # A compressed push is a few KB where a whole one is 2 MB a shard: the exchange is faster even on a quick run.
+    assert by_id[f"{prefix}.step.bf16.topk0.01"]["median"] < by_id[f"{prefix}.step.bf16.whole"]["median"]
+    assert all(f["median"] > 0 for f in by_id.values() if ".tta." not in f["id"])
+    assert "## Compress" in (tmp_path / "latest.md").read_text()
 
 
 @pytest.mark.timeout(LIMIT_S)

@@ -119,6 +119,16 @@ def test_compress_flags_are_checked() -> None:
             Scheme.parse(bad)
 
 
+def test_ps_worker_refuses_a_bad_compress_flag_before_it_connects() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "--server", "127.0.0.1:9", "--compress", "gzip:3", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "--compress 'gzip:3'" in result.stderr and "topk:RATIO" in result.stderr
+
+
 # -- real shards over the data socket ---------------------------------------------------------------------------
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 from paramserver.config import add_arguments, from_arguments
 from paramserver.errors import PSError
 from paramserver.procs import child_env, follow_parent
+from worker.client.host_group import ENV as GROUP_ENV
+from worker.client.host_group import GroupBroken, GroupSpec
 from worker.train.trainer import TrainConfig, train
 
 EPILOG = """\
@@ -20,7 +22,8 @@ examples:
   ps-worker --server 127.0.0.1:50051                          the built-in CNN on the digits dataset
   ps-worker --server ps-0.ps:50051 --model mlp --epochs 20 --metrics-out run.json
   ps-worker --server HOST:PORT --model mypkg.models:make_net --dataset data.npz --save-model net.safetensors
-  ps-worker --server HOST:PORT --nproc 4                      one worker per GPU of this host (else 4 on the CPU)
+  ps-worker --server HOST:PORT --nproc 4                      one process per GPU of this host (else 4 on the CPU),
+                                                              one member of the job: gradients reduced on the host
 
 The servers decide the mode (sync/async), optimizer and learning rate; see ps-server --help.
 """
@@ -40,10 +43,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc",
         type=int,
         default=1,
-        help="start this many workers on this host, each a process of its own with its rank from the servers: "
-        "one per GPU (cuda:0, cuda:1, ...) where --device is auto and there are that many, else on --device; "
-        "their --metrics-out, --plot and --save-model files get -0, -1, ... before the extension; Ctrl-C stops "
-        "them all (default: %(default)s)",
+        help="start this many processes on this host, one per GPU (cuda:0, cuda:1, ...) where --device is auto "
+        "and there are that many, else on --device; they share the host's part of the data and, with "
+        "--host-reduce (the default), its one exchange a step; their --metrics-out and --plot files get -0, -1, "
+        "... before the extension (--save-model too with --no-host-reduce); Ctrl-C stops them all "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--host-reduce",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --nproc: the processes are one member of the job, their gradients averaged on this host "
+        "(shared memory) and exchanged with the shards once, by the first of them (ps-server --workers counts "
+        "hosts); --no-host-reduce: each process is a worker of the job of its own (--workers counts processes). "
+        "A process of a group that dies stops the group (default: on)",
     )
     parser.add_argument(
         "--log-level",
@@ -78,6 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PSError as exc:
         print(f"ps-worker: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except GroupBroken as exc:
+        print(f"ps-worker: {exc}", file=sys.stderr)
+        return 1
     tested = metrics["test_accuracy"]  # None for a regression or a --train-step job: their test loss instead
     if "test_auc" in metrics:  # a click model
         result = f"test AUC {metrics['test_auc']:.4f}, test log loss {metrics['test_logloss']:.4f}"
@@ -105,19 +121,21 @@ def run_several(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
 
     gpus = torch.cuda.device_count() if args.device == "auto" else 0
-    base = _without(argv, "--nproc")
+    base = _without(_without(argv, "--nproc"), "--save-model")
+    groups = GroupSpec.new(args.nproc) if args.host_reduce else []
     procs: list[subprocess.Popen[bytes]] = []
     for i in range(args.nproc):
         extra = ["--device", f"cuda:{i}"] if gpus >= args.nproc else []
-        for flag, value in (
-            ("--metrics-out", args.metrics_out),
-            ("--plot", args.plot),
-            ("--save-model", args.save_model),
-        ):
+        for flag, value in (("--metrics-out", args.metrics_out), ("--plot", args.plot)):
             if value:
                 extra += [flag, _numbered(value, i)]
+        if args.save_model and (i == 0 or not groups):  # a group's model is its first process's
+            extra += ["--save-model", _numbered(args.save_model, i) if not groups else args.save_model]
+        env = child_env()
+        if groups:
+            env[GROUP_ENV] = groups[i].env()
         cmd = [sys.executable, "-m", "worker.cli", *base, *extra]
-        procs.append(subprocess.Popen(cmd, env=child_env(), preexec_fn=_sigint_as_ctrl_c))
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_sigint_as_ctrl_c))
 
     def stop(signum: int, frame: object) -> None:
         for proc in procs:

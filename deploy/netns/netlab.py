@@ -285,11 +285,12 @@ class Lab:
         return self.exec(host, ["nft", "list", "tables"]).stdout
 
     def limit_bandwidth(self, host: str, rate: str = "50mbit", burst: str = "32kbit", latency: str = "400ms") -> None:
-        """A token bucket on both ends of the host's link: its uploads (eth0) and its downloads (the bridge port)."""
+        """A token bucket on both ends of the host's link: its uploads (eth0) and its downloads (the bridge port).
+        Called again, it sets the new limit in place of the old one."""
         tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
         _run(["ip", "-n", self.ns(host), "link", "set", "eth0", "up"])
-        _run(["tc", "-n", self.ns(host), "qdisc", "add", "dev", "eth0", *tbf])
-        _run(["tc", "-n", self.bridge_ns, "qdisc", "add", "dev", host, *tbf])
+        _run(["tc", "-n", self.ns(host), "qdisc", "replace", "dev", "eth0", *tbf])
+        _run(["tc", "-n", self.bridge_ns, "qdisc", "replace", "dev", host, *tbf])
 
     def qdiscs(self, host: str) -> str:
         return (

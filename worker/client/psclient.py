@@ -13,26 +13,24 @@ import logging
 import os
 import threading
 import uuid
-from concurrent import futures
 from types import TracebackType
 from typing import Any, TypeVar
 
-import grpc
 import numpy as np
 import torch
 
 from paramserver.errors import PSError, PullTimeout
 from paramserver.modes import mode_name
 from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
-from paramserver.security import channel_credentials, client_ssl_context, open_channel
+from paramserver.security import channel_credentials, client_ssl_context
 from paramserver.transport import shm
-from paramserver.v1 import ps_pb2_grpc
 from paramserver.wire.chunks import CHUNK_BYTES, itemsize, wire_dtype
 from worker.client import model_file
 from worker.client.binding import Binding, TensorDict, Tensors, tensors_of
-from worker.client.channels import REPLICA_KEEPALIVE, channel_options, first_contact
 from worker.client.compress import Compressor, Scheme
+from worker.client.connect import connect_links
 from worker.client.fanout import each, fan_out
+from worker.client.host_group import HostGroup
 from worker.client.link import Session, ShardLink
 from worker.client.membership import Membership
 from worker.client.rows import by_shard, row_jobs
@@ -84,6 +82,10 @@ class PSClient:
     `compress`: 'topk:RATIO' or 'powersgd:RANK' compresses each push over a data socket (a shard on another host),
     keeping what it leaves out for the next push (error feedback; worker/client/compress.py). None (the default):
     pushes go whole.
+
+    `group`: this process's place in its host's group (`HostGroup.from_env()` under ps-worker --nproc): the
+    group's processes are one member of the job, their gradients averaged on the host and exchanged once
+    (worker/client/host_group.py); only the group's first process talks to the shards.
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class PSClient:
         data_socket: bool = True,
         push_in_turn: bool | None = None,
         compress: str | None = None,
+        group: HostGroup | None = None,
     ) -> None:
         self.worker_id = worker_id or uuid.uuid4().hex
         self.job_name = job_name
@@ -130,53 +133,22 @@ class PSClient:
             tls_server_name=tls_server_name,
             compressor=Compressor(Scheme.parse(compress)) if compress else None,
         )
-        credentials = channel_credentials(tls_ca, tls_cert, tls_key)
-        options = channel_options()
-        if tls_server_name:
-            options.append(("grpc.ssl_target_name_override", tls_server_name))
         self.rank = 0
         self.world_size = 1
+        self.group = group
+        self._connect_timeout = connect_timeout
         self._step = 0
         self._bindings: dict[int, Binding] = {}
         # One exchange or lookup on the links at a time: a forward pass's lookup waits for an exchange that another
         # thread runs (worker.train.overlap). Re-entrant: a failed exchange's caller may pull on the same thread.
         self._links_busy = threading.RLock()
         self.links: tuple[ShardLink, ...] = ()
-
-        # The channel's own retries would keep each try at a refused address going for seconds, unsaid.
-        no_retries = [(k, v) for k, v in options if k != "grpc.enable_retries"] + [("grpc.enable_retries", 0)]
-        entry = open_channel(address, no_retries, credentials, auth_token)
-        try:
-            topo = first_contact(ps_pb2_grpc.ParameterServerStub(entry), address, connect_timeout)
-        finally:
-            entry.close()
-        self.topology = topo
-        self.addresses: list[str] = list(topo.shards)
-        self.mode = mode_name(topo.job.mode, "unknown")
-        self._pool = futures.ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps-client")
-        copies = len(topo.replicas) // len(self.addresses) if topo.replicas else 1
-        if copies > 1:
-            # A shard's copy that is not its primary answers UNAVAILABLE at once: the link tries the other copy
-            # (ShardLink.retry), where the channel's own retries would keep asking the same one. HTTP/2 pings
-            # every second end a call to a copy that went silent (cut off, or its host gone) within about 2 s,
-            # as UNAVAILABLE, so the link turns to the other copy, which took over meanwhile.
-            options = no_retries + REPLICA_KEEPALIVE
-
-        def connect(address: str) -> grpc.Channel:
-            return open_channel(address, options, credentials, auth_token)
-
-        self.links = tuple(
-            ShardLink(
-                k,
-                a,
-                connect(a),
-                self._session,
-                self._pool,
-                tuple(topo.replicas[k * copies : (k + 1) * copies]),
-                connect,
-            )
-            for k, a in enumerate(self.addresses)
+        credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+        self.topology, self.links, self._pool = connect_links(
+            address, self._session, credentials, auth_token, connect_timeout
         )
+        self.addresses: list[str] = list(self.topology.shards)
+        self.mode = mode_name(self.topology.job.mode, "unknown")
         self._membership = Membership(self.links, self._session, self._pool)
         if join:
             try:
@@ -188,22 +160,38 @@ class PSClient:
     @property
     def versions(self) -> list[int]:
         """What each shard's last pull returned."""
+        if self._member:
+            return list(self.group.versions) if self.group is not None else []
         return [link.version for link in self.links]
+
+    @property
+    def _member(self) -> bool:
+        """Whether this process is a host group's member, not its first process: it never talks to the shards."""
+        return self.group is not None and not self.group.leader
 
     # -- membership --------------------------------------------------------------------------------------------
 
     def join(self) -> None:
         """Join the job on every shard (shard 0 first: its rank is the one that counts), and renew the lease from
-        then on (see worker.client.membership)."""
-        self.rank, self.world_size = self._membership.join()
+        then on (see worker.client.membership). In a host group, only its first process joins; the group's
+        processes take ranks of their own within the host's (see worker.client.host_group)."""
+        if self.group is None:
+            self.rank, self.world_size = self._membership.join()
+        elif self.group.leader:
+            rank, world = self._membership.join()
+            self.rank, self.world_size = self.group.lead(rank, world, self._connect_timeout)
+        else:
+            self.rank, self.world_size = self.group.follow(self._connect_timeout)
 
     def leave(self, finished: bool = False) -> None:
         """Leave the job on every shard; a sync round stops waiting for this worker.
 
         `finished=True` says the worker completed its training: once every worker of the job has, shards run
-        with exit_when_done stop by themselves.
+        with exit_when_done stop by themselves. A host group's member has nothing to leave: its first process
+        leaves for the host.
         """
-        self._membership.leave(finished)
+        if not self._member:
+            self._membership.leave(finished)
 
     # -- the model ---------------------------------------------------------------------------------------------
 
@@ -245,7 +233,8 @@ class PSClient:
     def register(self, obj: Tensors) -> int:
         """Initialise every shard from `obj`, or adopt the weights the shards already hold; return the version."""
         b = self._bind(obj)
-        each(self._pool, self.links, lambda link: link.init(b))
+        if not self._member:  # a host group's member gets the weights from its first process, which registers
+            each(self._pool, self.links, lambda link: link.init(b))
         self._session.registered = b
         for index, module in enumerate(b.tables):
             module.attach(_Rows(self, b, index), b.uniques)
@@ -256,7 +245,13 @@ class PSClient:
         """Write the registered `model` to one safetensors file at `path`: its dense tensors and buffers as the shards
         hold them, and every table's rows, streamed shard by shard (see worker.client.model_file). `worker.load`
         puts it into a model that then predicts with no server. `optimizer_state`: also each row's."""
-        model_file.save(self, model, path, optimizer_state=optimizer_state)
+        if self._member:
+            raise ValueError("a host group's model is saved by its first process (local rank 0), not by the others")
+        group, self.group = self.group, None  # its pull is this process's alone: the group's others may be done
+        try:
+            model_file.save(self, model, path, optimizer_state=optimizer_state)
+        finally:
+            self.group = group
 
     def lookup(self, obj: Tensors, table: int, ids: np.ndarray) -> np.ndarray:
         """The current rows of table `table` (its index among the model's SparseEmbedding modules) for these unique
@@ -342,9 +337,20 @@ class PSClient:
         rows: list[SparseJob | None] | None = None,
     ) -> int:
         """Push `grads` (if given, with each shard's `rows`), then pull (if asked), on every shard at once; return
-        the lowest version."""
+        the lowest version. In a host group, through its first process (worker.client.host_group)."""
         with self._links_busy:
-            return self._exchange_now(b, grads, step, pull, rows)
+            if self.group is None:
+                return self._exchange_now(b, grads, step, pull, rows)
+            if b.tables:
+                raise ValueError(
+                    "a model with sparse tables is not reduced on the host yet: run ps-worker --nproc N "
+                    "--no-host-reduce (each process a worker of its own)"
+                )
+            if not self.group.leader:
+                return self.group.member_exchange(b, grads, pull)
+            return self.group.lead_exchange(
+                b, grads, pull, lambda mean: self._exchange_now(b, mean, step, pull, rows), lambda: self.versions
+            )
 
     def _exchange_now(
         self,
@@ -381,6 +387,8 @@ class PSClient:
         except PSError as exc:
             log.warning("leaving the job failed: %s", exc)
         finally:
+            if self.group is not None:
+                self.group.close()
             self._session.closed = True  # after the leave, which may itself need a retry
             if self.links:
                 self._pool.shutdown(wait=True)

@@ -159,6 +159,11 @@ class TrainConfig:
     )
     auth_token_file: str | None = config_field(None, "file holding the job's shared bearer token")
     metrics_out: str | None = config_field(None, "write a JSON summary of the run to this file")
+    eval_every_epoch: bool = config_field(
+        False,
+        "test after every epoch, not only at the end (--metrics-out's eval_history: seconds, step and test "
+        "metrics of each; --plot and --tensorboard do this anyway)",
+    )
     plot: str | None = config_field(
         None,
         "draw the loss and the test accuracy (classification) over time into this PNG (needs matplotlib: pip install "

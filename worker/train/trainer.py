@@ -17,6 +17,7 @@ from paramserver.errors import Aborted, PullTimeout
 from paramserver.files import atomic_write
 from paramserver.security import read_token
 from worker.client import PSClient, Tensors
+from worker.client.host_group import HostGroup
 from worker.data.datasets import Dataset, open_dataset, steps_per_epoch
 from worker.data.stream import StreamedDataset
 from worker.models.builtin import build_model
@@ -169,6 +170,7 @@ def train(
         data_socket=config.data_socket,
         push_in_turn={"auto": None, "on": True, "off": False}[config.push_in_turn],
         compress=config.compress,
+        group=HostGroup.from_env(config.timeout),
         timeout=config.timeout,
         connect_timeout=config.connect_timeout,
         tls_ca=config.tls_ca,
@@ -267,7 +269,7 @@ def train(
                             history["step"].append(step)
                             history["loss"].append(loss_value)
                 epoch += 1
-                if config.plot or board is not None:
+                if config.plot or board is not None or config.eval_every_epoch:
                     tested = test_metrics()
                     history["eval_time"].append(time.perf_counter() - start)
                     history["eval_step"].append(step)
@@ -324,6 +326,8 @@ def train(
             "first_step": first,
             "input_wait_seconds": round(data.waited, 4) if isinstance(data, StreamedDataset) else 0.0,
             "config": asdict(config),
+            # Each test during training (--eval-every-epoch, --plot, --tensorboard): when, at which step, how well.
+            "eval_history": _eval_history(history),
         }
         if config.save_model:
             client.save(model, config.save_model)
@@ -337,3 +341,16 @@ def train(
             history, config.plot, title=f"{config.model} on {data.name}, worker {metrics['rank']} ({metrics['mode']})"
         )
     return metrics
+
+
+def _eval_history(history: dict[str, list[float]]) -> list[dict[str, float]]:
+    """Each test during training: seconds into the run, step, test loss and (classification) accuracy."""
+    out: list[dict[str, float]] = []
+    for i, (t, step, loss) in enumerate(
+        zip(history["eval_time"], history["eval_step"], history["test_loss"], strict=True)
+    ):
+        entry = {"seconds": round(t, 4), "step": step, "test_loss": loss}
+        if i < len(history["accuracy"]):
+            entry["test_accuracy"] = history["accuracy"][i]
+        out.append(entry)
+    return out
