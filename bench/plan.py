@@ -42,6 +42,8 @@ class Plan:
     compress_train_rates: tuple[str, ...]  # ... and its training runs
     compress_epochs: int  # the CNN's epochs there (tested after each: the time to tta_target)
     compress_steps: int  # big_model's steps there
+    hosts_model: str  # the hosts section's model (ps-worker --model), 2 hosts x ps-worker --nproc 2
+    hosts_steps: int
     sparse_dims: tuple[int, ...]  # row widths of the sparse step cases (4,096 Zipf IDs a batch)
     sparse_shards: tuple[int, ...]
     sparse_wires: tuple[str, ...]  # shm, socket, grpc
@@ -95,6 +97,8 @@ class Plan:
             compress_train_rates=("100mbit", "1gbit"),
             compress_epochs=20,  # the compressed runs' pushes arrive late: ~0.97 after 20 epochs, 0.91-0.95 after 10
             compress_steps=6,
+            hosts_model="bench.models:mlp1m",  # 4.4 MB each way a push: the link, not the 2 cores, sets the pace
+            hosts_steps=40,
             sparse_dims=(16, 64, 128),
             sparse_shards=(1, 2),
             sparse_wires=("shm", "socket", "grpc"),
@@ -146,6 +150,8 @@ class Plan:
             compress_train_rates=("400mbit",),
             compress_epochs=1,
             compress_steps=2,
+            hosts_model="mlp",
+            hosts_steps=3,
             sparse_dims=(64,),
             sparse_shards=(1, 2),
             sparse_wires=("shm", "socket", "grpc"),

@@ -42,7 +42,13 @@ def markdown(doc: Doc) -> str:
     ]
     lines += _transport(ix, doc) + _baselines(ix) + _training(ix) + _memory(ix) + report_sparse.sparse(ix)
     lines += report_sparse.sparse_many(ix) + report_sparse.sparse_peer(ix)
-    lines += report_links.replication(ix) + report_links.link(ix) + report_links.compress(ix) + report_links.stream(ix)
+    lines += (
+        report_links.replication(ix)
+        + report_links.link(ix)
+        + report_links.compress(ix)
+        + report_links.hosts(ix)
+        + report_links.stream(ix)
+    )
     errors = {k: v["error"] for k, v in doc.get("sections", {}).items() if not v.get("ok")}
     if errors:
         lines += ["## Errors", ""] + [f"- **{k}**: {v}" for k, v in errors.items()] + [""]

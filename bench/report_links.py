@@ -277,6 +277,41 @@ def compress(ix: _Index) -> list[str]:
     return lines
 
 
+def hosts(ix: _Index) -> list[str]:
+    figs = ix.section("hosts")
+    if not figs:
+        return []
+    p = figs[0]["params"]
+    rows = []
+    for name in ("separate", "reduced"):
+        size, step = ix.get(f"hosts.bytes.{name}"), ix.get(f"hosts.step.{name}")
+        if size is None or step is None:
+            continue
+        e = size.get("extra", {})
+        rows.append(
+            [
+                "one member a host (--host-reduce)" if name == "reduced" else "2 workers a host (--no-host-reduce)",
+                fmt(size["median"]),
+                fmt(_median(e.get("sent_mb") or [])),
+                fmt(_median(e.get("received_mb") or [])),
+                fmt(next(iter(size.get("ratios", {}).values()), None), "x"),
+                fmt(step["median"]),
+                fmt(next(iter(step.get("ratios", {}).values()), None), "x"),
+                fmt(_median(step.get("extra", {}).get("test_accuracy") or [])),
+            ]
+        )
+    header = ["setup", "MB a step a host", "sent", "received", "× separate", "ms a step", "× separate", "accuracy"]
+    return [
+        f"## Hosts: ps-worker --nproc 2 on each of 2 hosts, {p['rate']} links (tbf), sync, 2 shards",
+        "",
+        f"{p['model']} on digits, batch {p['batch_size']} a process, {p['steps']} steps; MB: the host link's "
+        "token-bucket counters over the run (TCP/IP headers and the first pull included) a step.",
+        "",
+        *_table(header, rows),
+        "",
+    ]
+
+
 _STREAM_READERS = {
     "local": "local disk, prefetch 2",
     "prefetch": "HTTP, prefetch 2",

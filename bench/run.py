@@ -42,6 +42,7 @@ if str(ROOT) not in sys.path:  # `python bench/run.py` puts bench/, not the repo
 from bench import (  # noqa: E402
     baselines,
     compress,
+    hosts,
     link,
     memory,
     replication,
@@ -67,6 +68,7 @@ SECTIONS = {
     "replication": replication.run,
     "link": link.run,
     "compress": compress.run,
+    "hosts": hosts.run,
     "stream": stream.run,
 }
 DEFAULT_OUT = ROOT / "bench" / "results"

@@ -1,6 +1,6 @@
-"""The benchmark's link, compress and stream sections on tiny sizes: training and push_pull over a bandwidth-limited
-link between network namespaces (whole and compressed), and a worker's data streamed over HTTP through one (root
-only). Run by
+"""The benchmark's link, compress, hosts and stream sections on tiny sizes: training and push_pull over a
+bandwidth-limited link between network namespaces (whole and compressed, one push per host or per process), and a
+worker's data streamed over HTTP through one (root only). Run by
 `make netns-test`, beside the multi-host tests:
 
     sudo PS_MULTIHOST=1 .venv/bin/python -m pytest tests/test_bench_link.py -v
@@ -65,6 +65,22 @@ def test_quick_compress_section_measures_compressed_pushes_against_gloo_and_bf16
     assert by_id[f"{prefix}.step.bf16.topk0.01"]["median"] < by_id[f"{prefix}.step.bf16.whole"]["median"]
     assert all(f["median"] > 0 for f in by_id.values() if ".tta." not in f["id"])
     assert "## Compress" in (tmp_path / "latest.md").read_text()
+
+
+@pytest.mark.timeout(LIMIT_S)
+def test_quick_hosts_section_measures_one_push_per_host(tmp_path: Path) -> None:
+    why = unavailable()
+    if why:
+        pytest.skip(f"the hosts section cannot run here: {why}")
+    result = run_quick(tmp_path, ("hosts",))
+    assert result.returncode == 0, result.stderr[-4000:]
+    doc = json.loads((tmp_path / "latest.json").read_text())
+    assert doc["sections"]["hosts"]["ok"], doc["sections"]
+    by_id = {f["id"]: f for f in doc["figures"] if f["section"] == "hosts"}
+    assert by_id.keys() == {f"hosts.{k}.{s}" for k in ("bytes", "step") for s in ("reduced", "separate")}
+    # Both pushes and pulls of a host go once, not twice: about half the bytes on its link, whatever the speed.
+    assert 0.4 < by_id["hosts.bytes.reduced"]["ratios"]["hosts.bytes.separate"] < 0.7
+    assert "## Hosts" in (tmp_path / "latest.md").read_text()
 
 
 @pytest.mark.timeout(LIMIT_S)

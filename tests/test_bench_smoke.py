@@ -3,8 +3,8 @@
 It checks that the suite works, not how fast anything is: the quick sizes are too small to mean anything. The
 quick run takes a minute, so `make test` leaves it out: `make bench-smoke` (in .ci/run) runs it.
 About a minute on 2 idle cores (real shard and worker processes start a dozen times); a busy machine takes
-longer, and only pytest-timeout's generous limit stops it. The link and compress sections need root and network
-namespaces: tests/test_bench_link.py runs them, from `make netns-test`.
+longer, and only pytest-timeout's generous limit stops it. The link, compress and hosts sections need root and
+network namespaces: tests/test_bench_link.py runs them, from `make netns-test`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ SECTIONS = (
     "replication",
     "link",
     "compress",
+    "hosts",
 )
-# every section that runs on any machine (sparse_peer needs make bench-peers; link and compress, network namespaces)
-SMOKE = tuple(s for s in SECTIONS if s not in ("sparse_peer", "link", "compress"))
+# every section that runs on any machine (sparse_peer needs make bench-peers; link, compress and hosts, network
+# namespaces)
+SMOKE = tuple(s for s in SECTIONS if s not in ("sparse_peer", "link", "compress", "hosts"))
 LIMIT_S = 1200  # pytest-timeout's limit for the run: for a machine many times slower than usual, never a verdict
 pytestmark = pytest.mark.timeout(LIMIT_S)  # whichever test runs the module's quick run first
 
@@ -173,6 +175,7 @@ def test_baselines_bracket_the_transport_cases() -> None:
         "replication",
         "link",
         "compress",
+        "hosts",
     ]
     assert run_order(["baselines", "memory"]) == ["baselines", "memory"]
     assert run_order(["transport"]) == ["transport"]

@@ -292,6 +292,16 @@ class Lab:
         _run(["tc", "-n", self.ns(host), "qdisc", "replace", "dev", "eth0", *tbf])
         _run(["tc", "-n", self.bridge_ns, "qdisc", "replace", "dev", host, *tbf])
 
+    def link_bytes(self, host: str) -> tuple[int, int]:
+        """The bytes the host's link has carried so far, (sent by the host, received by it): its token buckets'
+        counters (after limit_bandwidth; setting a new limit starts them again)."""
+        up = _run(["tc", "-s", "-n", self.ns(host), "qdisc", "show", "dev", "eth0"]).stdout
+        down = _run(["tc", "-s", "-n", self.bridge_ns, "qdisc", "show", "dev", host]).stdout
+        counts = [re.search(r"Sent (\d+) bytes", text) for text in (up, down)]
+        if not all(counts):
+            raise RuntimeError(f"no byte counters on {host}'s link (limit_bandwidth first):\n{up}{down}")
+        return int(counts[0][1]), int(counts[1][1])  # type: ignore[index]
+
     def qdiscs(self, host: str) -> str:
         return (
             _run(["tc", "-n", self.ns(host), "qdisc", "show", "dev", "eth0"]).stdout
