@@ -4,17 +4,15 @@
 A batch of IDs is the unit of work: a few thousand IDs of any of the group's tables cost one probe, one gather, one
 optimizer step and one scatter, never a Python step per ID or per table, and no work that grows with the table.
 
-- `RowGroup`: values in one float32 slab [capacity, dim], optimizer state in another [capacity, state_cols] (one
-  slab of both measured slower: lookups gather from a strided view). A row is keyed by (its table's tag, its ID) in
-  an IdHash, or a DirectIndex for small bounded tables (paramserver.shard.id_hash); per slot, the ID, the tag, the
-  version and time of its last update; a free-slot stack reuses evicted slots. Each table keeps its own policy
-  (initial rows, admission, eviction by age, capacity) and figures.
+- `RowGroup`: the tables' rows on a RowSlab (paramserver.shard.row_slab: values and optimizer state in two slabs, a
+  row keyed by (its table's tag, its ID) in an IdHash, or a DirectIndex for small bounded tables; per slot, the ID,
+  the tag, the version and time of its last update; a free-slot stack reuses evicted slots). Each table keeps its
+  own policy (initial rows, admission, eviction by age, capacity) and figures.
 - `RowTable`: a group of one table, with that table's API.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,17 +20,15 @@ import torch
 
 from paramserver.shard.id_hash import DirectIndex, IdHash
 from paramserver.shard.row_optimizers import row_optimizer
+from paramserver.shard.row_slab import RowSlab
 from paramserver.shard.table_state import checked_state, state_bytes
 from paramserver.tables import Initialiser, TableSpec, as_ids
 
 _STEP_CHUNK_ELEMENTS = 1 << 22  # floats per gathered chunk in an optimizer step (16 MiB a temporary)
-_MIN_SLOTS = 16
-_SLOT_GROWTH = 1.25  # not 2: the slab is most of a group's memory, and a doubling would leave half of it idle
-_INT32_MAX = np.iinfo(np.int32).max
 _NO_LRU = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float64))
 
 
-class RowGroup:
+class RowGroup(RowSlab):
     """The rows of one or more tables of one width, row optimizer and rate on one shard. A table is named by its tag,
     its position in `specs`; batch calls take the IDs and, in a group of several tables, each ID's tag (int32; None
     in a group of one). The caller resolves the optimizer and rate, validates and de-duplicates (tag, ID) pairs, and
@@ -57,9 +53,8 @@ class RowGroup:
         # Bounded tables may index their rows directly (`direct`: the caller weighs its memory), else by hashing.
         if direct and not all(s.bounded for s in self.specs):
             raise ValueError("a direct index is for bounded tables only")
-        self._index: IdHash | DirectIndex = (
-            DirectIndex([s.num_embeddings for s in self.specs]) if direct else IdHash(np.int32, self.tagged)
-        )
+        index = DirectIndex([s.num_embeddings for s in self.specs]) if direct else IdHash(np.int32, self.tagged)
+        super().__init__(self.dim, self.state_cols, index, self.tagged)
         self._counts = IdHash(np.int64, self.tagged)  # IDs without a row -> how many updates they were in
         # Each table's policy, indexed by tag (0 means never / always, as in TableSpec).
         self._admit_after = np.array([s.admit_after for s in self.specs], dtype=np.int64)
@@ -75,17 +70,6 @@ class RowGroup:
         self.rows_held = np.zeros(count, dtype=np.int64)
         self.rows_admitted = np.zeros(count, dtype=np.int64)
         self.rows_evicted = np.zeros(count, dtype=np.int64)
-        self._capacity = 0
-        self._high = 0  # slots below this were handed out at least once; above, never
-        self._values = torch.empty((0, self.dim), dtype=torch.float32)
-        self._state = torch.empty((0, self.state_cols), dtype=torch.float32)
-        self._slot_ids = np.empty(0, dtype=np.int64)
-        self._slot_tags = np.empty(0, dtype=np.int32)
-        self._versions = np.empty(0, dtype=np.int64)
-        self._times = np.empty(0, dtype=np.float64)
-        self._live = np.empty(0, dtype=bool)
-        self._free = np.empty(0, dtype=np.int64)  # a stack of released slots, top at _nfree
-        self._nfree = 0
         # Per table, the oldest rows as of its last LRU scan, oldest first: later evictions take from it while its
         # entries are unchanged (same ID, same version), so a table at its capacity pays one O(rows) scan per many
         # applies.
@@ -96,23 +80,11 @@ class RowGroup:
     # --- sizes -------------------------------------------------------------------------------------------------
 
     @property
-    def rows(self) -> int:
-        """Rows held, of every table of the group."""
-        return self._index.live
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one row's value and optimizer state."""
-        return 4 * (self.dim + self.state_cols)
-
-    @property
     def nbytes(self) -> int:
-        """Bytes allocated for the group: slab, both indexes, per-slot arrays, free stack and LRU queues (the
-        Initialisers' codebooks, a constant per table, are not counted)."""
-        arrays: list[np.ndarray] = [self._slot_ids, self._slot_tags, self._versions, self._times, self._live]
-        arrays += [self._free, *(a for q in self._lru.values() for a in q)]
-        slabs = self._values.untyped_storage().nbytes() + self._state.untyped_storage().nbytes()
-        return int(slabs + self._index.nbytes + self._counts.nbytes + sum(a.nbytes for a in arrays))
+        """Bytes allocated for the group: the slab's (RowSlab.nbytes), the admission counts and the LRU queues
+        (the Initialisers' codebooks, a constant per table, are not counted)."""
+        queues = sum(a.nbytes for q in self._lru.values() for a in q)
+        return int(super().nbytes + self._counts.nbytes + queues)
 
     def _per_table(self, tags: np.ndarray | None, n: int) -> np.ndarray | int:
         """How many of n keys belong to each table (a group of one: n, added to its one-element arrays)."""
@@ -136,9 +108,6 @@ class RowGroup:
         absent = np.flatnonzero(~found)
         out[absent] = self._initial(ids[absent], None if tags is None else tags[absent])
         return out
-
-    def _gather(self, slots: np.ndarray) -> np.ndarray:
-        return self._values.index_select(0, torch.from_numpy(slots)).numpy()
 
     def _initial(self, ids: np.ndarray, tags: np.ndarray | None) -> np.ndarray:
         """The initial rows of these IDs, each by its table's rule."""
@@ -281,51 +250,11 @@ class RowGroup:
             part = slice(begin, begin + chunk)
             rows = torch.from_numpy(self._initial(ids[part], None if tags is None else tags[part]))
             self._values.index_copy_(0, torch.from_numpy(slots[part]), rows)
-        if self.state_cols:
-            self._state.index_fill_(0, torch.from_numpy(slots), 0.0)
-        self._slot_ids[slots] = ids
-        self._slot_tags[slots] = 0 if tags is None else tags
-        self._live[slots] = True
-        self._index.insert(ids, slots, tags)
+        self._claim(slots, ids, tags)
         made = self._per_table(tags, len(ids))
         self.rows_admitted += made
         self.rows_held += made
         return slots
-
-    def _take_slots(self, n: int) -> np.ndarray:
-        reused = min(n, self._nfree)
-        fresh = n - reused
-        if self._high + fresh > self._capacity:
-            self._grow(max(self._high + fresh, math.ceil(self._capacity * _SLOT_GROWTH), _MIN_SLOTS))
-        slots = np.empty(n, dtype=np.int64)
-        slots[:reused] = self._free[self._nfree - reused : self._nfree]
-        self._nfree -= reused
-        slots[reused:] = np.arange(self._high, self._high + fresh)
-        self._high += fresh
-        return slots
-
-    def _grow(self, capacity: int) -> None:
-        high = self._high
-
-        def grown(old: np.ndarray, fill: object) -> np.ndarray:
-            new = np.empty(capacity, dtype=old.dtype)
-            new[:high] = old[:high]
-            new[high:] = fill
-            return new
-
-        values = torch.empty((capacity, self.dim), dtype=torch.float32)
-        values[:high] = self._values[:high]
-        state = torch.empty((capacity, self.state_cols), dtype=torch.float32)
-        state[:high] = self._state[:high]
-        self._values, self._state = values, state
-        self._slot_ids = grown(self._slot_ids, 0)
-        self._slot_tags = grown(self._slot_tags, 0)
-        self._versions = grown(self._versions, 0)
-        self._times = grown(self._times, 0.0)
-        self._live = grown(self._live, False)
-        self._capacity = capacity
-        if capacity > _INT32_MAX and self._index.value_dtype != np.int64:
-            self._index.widen()
 
     # --- eviction ----------------------------------------------------------------------------------------------
 
@@ -342,14 +271,7 @@ class RowGroup:
         if len(slots) == 0:
             return
         tags = self._slot_tags[slots] if self.tagged else None
-        self._index.remove_cells(self._index.find(self._slot_ids[slots], tags))
-        self._live[slots] = False
-        if self._nfree + len(slots) > len(self._free):
-            free = np.empty(max(self._nfree + len(slots), 2 * len(self._free)), dtype=np.int64)
-            free[: self._nfree] = self._free[: self._nfree]
-            self._free = free
-        self._free[self._nfree : self._nfree + len(slots)] = slots
-        self._nfree += len(slots)
+        self._release(slots, tags)
         dropped = self._per_table(tags, len(slots))
         self.rows_evicted += dropped
         self.rows_held -= dropped
@@ -365,12 +287,6 @@ class RowGroup:
         old = held[self._too_old(held, version, now)]
         self._drop(old)
         return len(old)
-
-    def _held_of(self, tag: int) -> np.ndarray:
-        live = self._live[: self._high]
-        if self.tagged:
-            live = live & (self._slot_tags[: self._high] == tag)
-        return np.flatnonzero(live)
 
     def evict_lru(self, rows_to_keep: int, tag: int = 0) -> int:
         """Drop table `tag`'s least recently updated rows down to `rows_to_keep`; how many were dropped. Least
@@ -424,16 +340,9 @@ class RowGroup:
         the same rows give equal arrays, whatever their slots or group): ids, values, optimizer_state, versions,
         times, count_ids, counts, step. The counters (ids_seen, ...) and the admission RNG's position are not in
         it."""
-        held = self._held_of(tag)
-        slots = held[np.argsort(self._slot_ids[held], kind="stable")]
-        s = torch.from_numpy(slots)
         count_ids, counts = self._counts.items(tag)
         return {
-            "ids": self._slot_ids[slots],
-            "values": self._values.index_select(0, s).numpy(),
-            "optimizer_state": self._state.index_select(0, s).numpy(),
-            "versions": self._versions[slots],
-            "times": self._times[slots],
+            **self._rows_of(tag),
             "count_ids": count_ids,
             "counts": counts,
             "step": np.array([self.steps[tag]], dtype=np.int64),
@@ -460,20 +369,7 @@ class RowGroup:
     def load(self, tag: int, a: dict[str, np.ndarray]) -> None:
         """Add the rows of a checked state (table_state.checked_state) to table `tag`, none of whose IDs it holds."""
         self.steps[tag] = int(a["step"][0])
-        n = len(a["ids"])
-        tags = np.full(n, tag, dtype=np.int32) if self.tagged else None
-        if n:
-            slots = self._take_slots(n)
-            s = torch.from_numpy(slots)
-            self._values.index_copy_(0, s, torch.from_numpy(np.ascontiguousarray(a["values"])))
-            self._state.index_copy_(0, s, torch.from_numpy(np.ascontiguousarray(a["optimizer_state"])))
-            self._slot_ids[slots] = a["ids"]
-            self._slot_tags[slots] = tag
-            self._versions[slots] = a["versions"]
-            self._times[slots] = a["times"]
-            self._live[slots] = True
-            self._index.insert(a["ids"], slots, tags)
-            self.rows_held[tag] += n
+        self.rows_held[tag] += self._put_rows(tag, a)
         count_ids = a["count_ids"]
         self._counts.insert(count_ids, a["counts"], np.full(len(count_ids), tag, np.int32) if self.tagged else None)
 
