@@ -37,8 +37,9 @@ def _train(tmp_path: Path, name: str, workers: int, *args: str) -> dict[str, tor
     launcher = None
     try:
         launcher = _ps_worker(
-            address, "--nproc", "2", "--epochs", "2", "--save-model", str(tmp_path / f"{name}.safetensors"),
-            "--metrics-out", str(tmp_path / f"{name}.json"), *args,
+            address, "--nproc", "2", "--model", "mlp", "--epochs", "1",
+            "--save-model", str(tmp_path / f"{name}.safetensors"), "--metrics-out", str(tmp_path / f"{name}.json"),
+            *args,
         )  # fmt: skip
         _, err = launcher.communicate(timeout=240)
         assert launcher.returncode == 0, err.decode()[-3000:]

@@ -80,13 +80,15 @@ def test_train_with_both_recipes(ps_cluster_factory: Callable[..., LocalCluster]
         TrainConfig(server="x:1", clip_grad_norm=-1.0)
 
 
+# By default the host's processes are one member of the job (worker/client/host_group.py): the job counts 1 worker.
+@pytest.mark.parametrize(("members", "flags"), [(1, []), (2, ["--no-host-reduce"])], ids=["host-reduce", "separate"])
 def test_nproc_starts_that_many_workers_and_each_gets_its_rank(
-    ps_cluster_factory: Callable[..., LocalCluster], tmp_path: Path
+    ps_cluster_factory: Callable[..., LocalCluster], tmp_path: Path, members: int, flags: list[str]
 ) -> None:
-    cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=2, optimizer="sgd", lr=0.1), 2)
+    cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=members, optimizer="sgd", lr=0.1), 2)
     out = tmp_path / "run.json"
     cmd = [sys.executable, "-m", "worker.cli", "--server", cluster.address, "--nproc", "2", "--model", "logreg"]
-    cmd += ["--dataset", "synthetic"]  # no scikit-learn to import
+    cmd += ["--dataset", "synthetic", *flags]  # no scikit-learn to import
     done = subprocess.run(
         [*cmd, "--steps", "3", "--no-progress", "--metrics-out", str(out)],
         capture_output=True,
@@ -96,7 +98,9 @@ def test_nproc_starts_that_many_workers_and_each_gets_its_rank(
     assert done.returncode == 0, done.stderr
     runs = [json.loads((tmp_path / f"run-{i}.json").read_text()) for i in range(2)]
     assert sorted(r["rank"] for r in runs) == [0, 1] and all(r["steps"] == 3 for r in runs)
-    assert {r["device"] for r in runs} == {"cpu"}
+    assert {r["device"] for r in runs} == {"cpu"} and {r["world_size"] for r in runs} == {2}
+    # One push a step for the group; one each for separate workers (a sync round: one version either way).
+    assert max(r["server_version"] for r in runs) == 3
 
 
 def test_tensorboard_scalars(ps_cluster_factory: Callable[..., LocalCluster], tmp_path: Path) -> None:
