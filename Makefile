@@ -49,7 +49,7 @@ bench-smoke: $(STAMP)
 	PS_BENCH_SMOKE=1 $(PY) -m pytest tests/test_bench_smoke.py -q
 
 ## gpu-check: the worker's CUDA path against the CPU's, on real shards (tests/test_gpu.py: dense, BatchNorm buffers,
-## autocast, sparse rows, the trainer); every test skips without a CUDA device. Where the project is not installed:
+## autocast, sparse rows, a host group, the trainer); every test skips without a CUDA device. Where the project is not installed:
 ## PYTHONPATH=. python -m pytest tests/test_gpu.py -v
 gpu-check: $(STAMP)
 	$(PY) -m pytest tests/test_gpu.py -v

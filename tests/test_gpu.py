@@ -16,6 +16,8 @@ server config, each run against its own real shards: a LocalCluster of 2 shards 
 - someone else's model: plain nn.Embedding / nn.EmbeddingBag on the device, converted by make_sparse (the initial
   rows sent from the device's weights), trained through PSOptimizer, saved by PSClient.save and served by
   worker.load on the device: the served predictions and the loaded tensors equal the CPU run's;
+- a host group: ps-worker --nproc 2 on the device (its processes' gradients averaged on the host, through the
+  host mirrors and shared memory) ends with the CPU group's model;
 - the trainer: worker.train.trainer.train on digits with device="cuda" (a sync ResNet with BatchNorm, an async CNN with
   overlap) finishes with the CPU run's steps and about its test accuracy.
 
@@ -357,3 +359,33 @@ def test_a_converted_model_trains_saves_and_serves_on_the_device_as_on_the_cpu(t
     want = _converted_run("cpu", str(tmp_path / "cpu.safetensors"))
     got = _converted_run(DEVICE, str(tmp_path / "device.safetensors"))
     _assert_close(got, want, "make_sparse + PSOptimizer + save/load")
+
+
+def test_a_host_group_on_the_device_ends_where_the_cpu_group_does(tmp_path: Path) -> None:
+    """ps-worker --nproc 2 (one member of the job: the processes' gradients averaged on the host) with both
+    processes on the device, against the same on the CPU: the saved models agree."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from test_end_to_end import _start_ps_server, _stop_job
+
+    saved = {}
+    for device in ("cpu", DEVICE):
+        server, address = _start_ps_server("--shards", "2", "--mode", "sync", "--workers", "1", "--lr", "0.05")
+        launcher = None
+        try:
+            path = tmp_path / f"{device.replace(':', '-')}.safetensors"
+            cmd = [
+                sys.executable, "-m", "worker.cli", "--server", address, "--no-progress", "--nproc", "2",
+                "--device", device, "--model", "mlp", "--epochs", "1", "--save-model", str(path),
+            ]  # fmt: skip
+            launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            _, err = launcher.communicate(timeout=240)
+            assert launcher.returncode == 0, err.decode()[-3000:]
+        finally:
+            _stop_job(server, [launcher] if launcher is not None else [])
+        saved[device] = load_file(path)
+    assert saved["cpu"].keys() == saved[DEVICE].keys()
+    for key, want in saved["cpu"].items():
+        torch.testing.assert_close(saved[DEVICE][key], want, rtol=0, atol=1e-4)
