@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -28,10 +29,13 @@ from test_data_socket import MALFORMED, _error, _f32, _ok, _session
 from test_end_to_end import _start_ps_server, _stop_job
 from test_shared_memory import CALL_TIMEOUT, Raw
 
+from paramserver.config import ServerConfig
 from paramserver.placement import TensorSpec, place
+from paramserver.server.cluster import LocalCluster
 from paramserver.v1 import ps_pb2
 from paramserver.wire import compression
 from paramserver.wire.chunks import BFLOAT16, FLOAT32, encode
+from worker.client import PSClient
 from worker.client.binding import Binding
 from worker.client.compress import Compressor, Encoded, Scheme
 
@@ -109,6 +113,27 @@ def test_what_the_shard_decodes_plus_the_new_remainder_is_the_gradient_plus_the_
                 # Vectors and the tiny matrix go whole (up to the wire's rounding, which the remainder keeps).
                 tiny = [p for p in pieces if p.name == "tiny"]
                 assert all(compression.matrix_of(p, SPECS[4], 2) is None for p in tiny)
+
+
+@pytest.mark.parametrize("scheme", ["topk:0.01", "powersgd:2"])
+def test_a_step_that_goes_whole_after_all_gives_the_remainder_back(scheme: str) -> None:
+    """A push encoded for the data socket whose retry fell back to a transport that does not compress: the
+    remainder is what it was before that step, so the next compressed push starts from what the shard got."""
+    b = _binding()
+    comp = Compressor(Scheme.parse(scheme))
+    first = _views(b, 0, 1)
+    comp.encode(b, 0, first, 1, BFLOAT16)
+    before = comp.remainder(b.digest, 0)
+    views = _views(b, 0, 2)
+    comp.encode(b, 0, views, 2, BFLOAT16)
+    assert not np.allclose(comp.remainder(b.digest, 0), before)
+    comp.whole(b, 0, views, 2)  # step 2 went whole
+    np.testing.assert_allclose(comp.remainder(b.digest, 0), before, rtol=0, atol=1e-5)
+    comp.whole(b, 0, views, 2)  # once only: the step is no longer the encoded one
+    comp.whole(b, 0, views, 7)  # a step never encoded
+    np.testing.assert_allclose(comp.remainder(b.digest, 0), before, rtol=0, atol=1e-5)
+    again = comp.encode(b, 0, views, 3, BFLOAT16)  # the next push: encoded afresh from that remainder
+    assert again is not None
 
 
 def test_compress_flags_are_checked() -> None:
@@ -192,6 +217,35 @@ def test_a_compressed_push_applies_the_decoded_gradient_and_bad_ones_change_noth
         raw.stub.Exchange(_push(raw, 3, top, inline=True), timeout=CALL_TIMEOUT)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "data socket" in (info.value.details() or "")
     assert raw.shard.state_bytes() == after
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "data-socket"])
+def test_compression_applies_on_the_data_socket_only(
+    ps_cluster_factory: Callable[..., LocalCluster], shared_memory: bool
+) -> None:
+    """The same pushes with --compress: over shared memory they go whole (the weights of plain SGD); over the data
+    socket they are compressed (other weights, and a remainder held back)."""
+    cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="sgd", lr=0.5), 2)
+    model = {"w": torch.zeros(300, 200), "b": torch.zeros(200)}
+    grads = [
+        {"w": torch.randn(300, 200, generator=torch.Generator().manual_seed(i)), "b": torch.ones(200)} for i in range(3)
+    ]
+    whole = -0.5 * sum(g["w"] for g in grads)  # (push_pull writes the weights into the mapping it pushed)
+    with PSClient(cluster.address, shared_memory=shared_memory, compress="topk:0.05") as client:
+        client.register(model)
+        for g in grads:
+            client.push_pull(g)
+            client.pull(model)
+        kinds = {link.transport.kind for link in client.links}
+        assert client.compressor is not None
+        held = sum(float(np.abs(client.compressor.remainder(client.digest(model), k)).sum()) for k in range(2))
+    if shared_memory:
+        assert kinds == {"shared memory"} and held == 0.0
+        torch.testing.assert_close(model["w"], whole)
+    else:
+        assert kinds == {"data socket"} and held > 0
+        assert not torch.allclose(model["w"], whole)
+        assert int((model["w"] != 0).sum()) < 0.2 * model["w"].numel()  # about 5 % a push, three pushes
 
 
 # -- ps-server and ps-workers -----------------------------------------------------------------------------------

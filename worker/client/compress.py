@@ -14,7 +14,8 @@ one another's factors.
   approximates its own gradient; the shard adds the products.
 
 Only the data socket carries compressed pushes (the transport between hosts, where bytes cost). Over shared
-memory or gRPC a push goes whole and the remainder waits for the next compressed one.
+memory or gRPC a push goes whole and the remainder waits for the next compressed one; a step encoded for the data
+socket whose retry goes whole gives back to the remainder what encoding took (`whole`).
 """
 
 from __future__ import annotations
@@ -135,6 +136,25 @@ class Compressor:
             encoded = self._power_sgd(part, pieces, specs, views, dtype)
         part.last = (step, encoded)
         return encoded
+
+    def whole(self, b: Binding, shard: int, views: list[np.ndarray], step: int) -> None:
+        """This step's push of shard `shard`'s part goes whole after all (its retry took a transport that does not
+        compress): give the remainder back what encoding the step took from it, so the next compressed push starts
+        from what the shard has really been sent. Nothing to do for a step not encoded."""
+        part = self._parts.get((b.digest, shard))
+        if part is None or part.last[0] != step or part.last[1] is None:
+            return
+        encoded, pieces = part.last[1], b.placement.shards[shard]
+        layout = compression.layout(encoded.message, pieces, {s.name: s for s in b.placement.specs})
+        sent = np.empty(sum(p.length for p in pieces), np.float32)
+        layout.decode(encoded.values, encoded.raw, sent)
+        at = 0
+        for k, piece in enumerate(pieces):
+            if len(part.residual[k]):  # a parameter piece (a buffer keeps no remainder)
+                part.residual[k] += sent[at : at + piece.length]
+                part.residual[k] -= views[k]
+            at += piece.length
+        part.last = (-1, None)
 
     def _top_k(
         self, part: _Part, pieces: tuple[Piece, ...], specs: dict[str, TensorSpec], views: list[np.ndarray], dtype: int

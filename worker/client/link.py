@@ -229,7 +229,10 @@ class ShardLink:
         job = Job(request, b, self.index, self.address, grads, flats, turns, s.timeout, sparse)
         if pushed and s.compressor is not None:
             compressor, k = s.compressor, self.index
-            job.compress = lambda views: compressor.encode(b, k, views, step, s.dtype)
+            if transport.compresses:
+                job.compress = lambda views: compressor.encode(b, k, views, step, s.dtype)
+            else:  # a retry that fell back from the data socket: the push goes whole, the remainder as it was
+                compressor.whole(b, k, b.views(k, grads) if grads is not None else [], step)
         answer: Answer = transport.begin(job)
 
         def finish() -> int:

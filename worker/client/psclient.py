@@ -120,6 +120,8 @@ class PSClient:
         self.shared_memory = shared_memory and shm.available()
         self.data_socket = data_socket
         self.push_in_turn = push_in_turn
+        # What error feedback holds back for each shard part: `compressor.remainder(digest, shard)`.
+        self.compressor = Compressor(Scheme.parse(compress)) if compress else None
         self._session = Session(
             worker_id=self.worker_id,
             job_name=job_name,
@@ -131,7 +133,7 @@ class PSClient:
             push_in_turn=push_in_turn,
             tls=client_ssl_context(tls_ca, tls_cert, tls_key),
             tls_server_name=tls_server_name,
-            compressor=Compressor(Scheme.parse(compress)) if compress else None,
+            compressor=self.compressor,
         )
         self.rank = 0
         self.world_size = 1

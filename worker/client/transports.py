@@ -145,7 +145,7 @@ class Job:
     timeout: float
     sparse: SparseJob | None = None  # rows pushed with the gradient, rows looked up
     # The push's part compressed (worker/client/compress.py), from its pieces' gradients: None where it goes whole.
-    # Only the data socket calls it; elsewhere the part goes whole and the compressor's remainder waits.
+    # Set for a transport that `compresses` (the data socket); elsewhere the part goes whole.
     compress: Callable[[list[np.ndarray]], Encoded | None] | None = None
 
     @property
@@ -174,7 +174,10 @@ class Job:
 
 
 class Transport(ABC):
-    """One shard's tensor path. `kind` names it for people: "shared memory", "data socket" or "gRPC"."""
+    """One shard's tensor path. `kind` names it for people: "shared memory", "data socket" or "gRPC".
+    `compresses`: whether it carries compressed pushes (Job.compress)."""
+
+    compresses = False
 
     kind: str = ""
     closed: bool = False
@@ -398,6 +401,7 @@ class DataSocket(Transport):
     it. A large push waits for its turn (`in_turn`)."""
 
     kind = "data socket"
+    compresses = True  # the path between hosts, where bytes cost
 
     def __init__(
         self, bell: FrameClient, pool: futures.ThreadPoolExecutor, address: str, push_in_turn: bool | None
