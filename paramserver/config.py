@@ -77,7 +77,8 @@ class ServerConfig:
     workers: int = config_field(
         1,
         "workers in the job: a sync round waits for this many (fewer once some have left), "
-        "and the data is split this many ways",
+        "and the data is split this many ways; a host running ps-worker --nproc N counts once (its N processes "
+        "reduce on the host and push once), or N times with --no-host-reduce",
     )
     optimizer: str = config_field("adam", "server-side optimizer (torch.optim, fused kernel)", choices=optimizers.NAMES)
     lr: float = config_field(1e-3, "learning rate")
