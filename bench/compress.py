@@ -16,8 +16,6 @@ Needs root (ip netns, tc): elsewhere the section is skipped and says why.
 
 from __future__ import annotations
 
-import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -69,28 +67,6 @@ def _exchanges(lab: Any, work: Path, plan: Plan, rate: str) -> list[Figure]:
     return figures
 
 
-def _train_once(lab: Any, work: Path, argv: list[str]) -> dict[str, Any]:
-    """One ps-worker run (1 worker, sync) against fresh shards; its metrics."""
-    bin_dir = Path(sys.executable).parent
-    try:
-        shards = link._start_shards(lab, work, "sync", "--exit-when-done")
-        metrics = work / "worker.json"
-        full = [
-            str(bin_dir / "ps-worker"), "--server", "shard-0:50051", "--no-progress", "--metrics-out", str(metrics),
-            "--no-shared-memory", *argv,
-        ]  # fmt: skip
-        worker = lab.popen(
-            "worker-0", full, work / "worker.log", env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(link.ROOT)}
-        )
-        if worker.wait(timeout=link.TIMEOUT) != 0:
-            raise RuntimeError(f"ps-worker failed:\n{(work / 'worker.log').read_text(errors='replace')[-2000:]}")
-        for proc in shards:
-            proc.wait(timeout=60)  # --exit-when-done: the shards end with the job
-        return json.loads(metrics.read_text())
-    finally:
-        lab.stop_all()
-
-
 def _reached(m: dict[str, Any], target: float) -> float:
     """Seconds into the run of the first test at or over the target (NaN if none was)."""
     return next((e["seconds"] for e in m["eval_history"] if e.get("test_accuracy", 0) >= target), float("nan"))
@@ -103,10 +79,10 @@ def _training(lab: Any, work: Path, plan: Plan, rate: str) -> list[Figure]:
         for wire, compress in TRAIN_WIRES:  # interleaved
             flags = ["--wire-dtype", wire, *(["--compress", compress] if compress else [])]
             cnn_argv = ["--model", "cnn", "--batch-size", "32", "--epochs", str(plan.compress_epochs)]
-            m = _train_once(lab, work, [*cnn_argv, "--eval-every-epoch", *flags])
+            m = link.train_once(lab, work, "sync", *cnn_argv, "--eval-every-epoch", *flags)
             cnn[(wire, compress)].append(m)
             mlp_argv = ["--model", plan.big_model, "--batch-size", "128", "--steps", str(plan.compress_steps)]
-            big = _train_once(lab, work, [*mlp_argv, *flags])
+            big = link.train_once(lab, work, "sync", *mlp_argv, *flags)
             mlp[(wire, compress)].append(big)
             log(
                 f"compress {rate} {wire} {compress or 'whole'}: cnn {_reached(m, plan.tta_target):.1f} s to "
@@ -151,14 +127,11 @@ def _training(lab: Any, work: Path, plan: Plan, rate: str) -> list[Figure]:
 
 def run(plan: Plan, procs: Processes) -> list[Figure]:
     """The exchange at every rate of `Plan.compress_rates`; training at `Plan.compress_train_rates`."""
-    why = link.unavailable()
-    if why is not None:
-        log(f"section {SECTION} skipped: {why}")
+    fresh = link.lab_for(SECTION)
+    if fresh is None:
         return []
-    netlab = link._netlab()
-    netlab.cleanup_stale()
     figures: list[Figure] = []
-    with netlab.Lab() as lab, tempfile.TemporaryDirectory(prefix="ps-bench-compress-") as tmp:
+    with fresh as lab, tempfile.TemporaryDirectory(prefix="ps-bench-compress-") as tmp:
         for rate in plan.compress_rates:
             for host in ("worker-0", "worker-1"):  # worker-1 runs only gloo's second rank
                 lab.limit_bandwidth(host, rate=rate, burst="256kb", latency="100ms")

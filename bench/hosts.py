@@ -12,7 +12,6 @@ Needs root (ip netns, tc): elsewhere the section is skipped and says why.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -28,27 +27,18 @@ SETUPS = (("reduced", True), ("separate", False))  # (name, --host-reduce)
 
 def _run_once(lab: Any, work: Path, plan: Plan, reduce: bool) -> dict[str, Any]:
     """One sync job: ps-worker --nproc 2 on each worker host; the link's bytes and every process's metrics."""
-    bin_dir = Path(sys.executable).parent
     try:
         members = len(HOSTS) * (1 if reduce else 2)
         # --workers counts hosts with --host-reduce, processes without (the last --workers given is the one)
         shards = link._start_shards(lab, work, "sync", "--exit-when-done", "--workers", str(members))
         before = {h: lab.link_bytes(h) for h in HOSTS}
-        launchers = []
-        for h in HOSTS:
-            argv = [
-                str(bin_dir / "ps-worker"), "--server", "shard-0:50051", "--no-progress", "--nproc", "2",
-                "--model", plan.hosts_model, "--batch-size", "64", "--steps", str(plan.hosts_steps), "--threads", "1",
-                "--metrics-out", str(work / f"{h}.json"), "--host-reduce" if reduce else "--no-host-reduce",
-                # The namespaces share one kernel, so shared memory would reach across them: the link is the point.
-                "--no-shared-memory",
-            ]  # fmt: skip
-            env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(link.ROOT)}
-            launchers.append(lab.popen(h, argv, work / f"{h}.log", env=env))
+        args = [
+            "--nproc", "2", "--model", plan.hosts_model, "--batch-size", "64", "--steps", str(plan.hosts_steps),
+            "--threads", "1", "--host-reduce" if reduce else "--no-host-reduce",
+        ]  # fmt: skip
+        launchers = [link.start_worker(lab, h, work, h, *args, "--metrics-out", str(work / f"{h}.json")) for h in HOSTS]
         for h, proc in zip(HOSTS, launchers, strict=True):
-            if proc.wait(timeout=link.TIMEOUT) != 0:
-                text = (work / f"{h}.log").read_text(errors="replace")
-                raise RuntimeError(f"ps-worker on {h} failed:\n{text[-2000:]}")
+            link.finish_worker(proc, work, h)
         after = {h: lab.link_bytes(h) for h in HOSTS}
         for proc in shards:
             proc.wait(timeout=60)
@@ -61,14 +51,11 @@ def _run_once(lab: Any, work: Path, plan: Plan, reduce: bool) -> dict[str, Any]:
 
 def run(plan: Plan, procs: Processes) -> list[Figure]:
     """The two setups, interleaved, `Plan.train_repeats` times each."""
-    why = link.unavailable()
-    if why is not None:
-        log(f"section {SECTION} skipped: {why}")
+    fresh = link.lab_for(SECTION)
+    if fresh is None:
         return []
-    netlab = link._netlab()
-    netlab.cleanup_stale()
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in SETUPS}
-    with netlab.Lab() as lab, tempfile.TemporaryDirectory(prefix="ps-bench-hosts-") as tmp:
+    with fresh as lab, tempfile.TemporaryDirectory(prefix="ps-bench-hosts-") as tmp:
         for host in HOSTS:
             lab.limit_bandwidth(host, rate=plan.link_rate, burst="256kb", latency="100ms")
         for _ in range(plan.train_repeats):

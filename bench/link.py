@@ -78,6 +78,35 @@ def _start_shards(lab: Any, work: Path, mode: str, *extra: str) -> list[subproce
     return shards
 
 
+def lab_for(section: str) -> Any | None:
+    """A fresh lab for a section (the namespaces of dead runs removed first), or None where this machine cannot run
+    one (the log says why)."""
+    why = unavailable()
+    if why is not None:
+        log(f"section {section} skipped: {why}")
+        return None
+    netlab = _netlab()
+    netlab.cleanup_stale()
+    return netlab.Lab()
+
+
+def start_worker(lab: Any, host: str, work: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
+    """ps-worker in `host` against the lab's shards, its output in work/<name>.log. No shared memory: the namespaces
+    share one kernel, so it would reach across them, and the link is the point."""
+    argv = [
+        str(Path(sys.executable).parent / "ps-worker"), "--server", "shard-0:50051", "--no-progress",
+        "--no-shared-memory", *args,
+    ]  # fmt: skip
+    env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}  # PYTHONPATH: bench.models' factories
+    return lab.popen(host, argv, work / f"{name}.log", env=env)
+
+
+def finish_worker(proc: subprocess.Popen[bytes], work: Path, name: str) -> None:
+    """Wait for a ps-worker start_worker started; RuntimeError with its log's tail unless it succeeded."""
+    if proc.wait(timeout=TIMEOUT) != 0:
+        raise RuntimeError(f"ps-worker {name} failed:\n{(work / f'{name}.log').read_text(errors='replace')[-2000:]}")
+
+
 def _exchange_once(lab: Any, work: Path, plan: Plan, wire: str, in_turn: bool, compress: str = "") -> list[float]:
     """Milliseconds of each timed push_pull of one worker process in the worker's host."""
     argv = [
@@ -156,21 +185,14 @@ def _exchange_figures(lab: Any, work: Path, plan: Plan) -> list[Figure]:
     return figures
 
 
-def _run_once(lab: Any, work: Path, plan: Plan, mode: str, overlap: bool) -> dict[str, Any]:
-    """One training run of one worker against fresh shards; its ps-worker metrics."""
-    bin_dir = Path(sys.executable).parent
+def train_once(lab: Any, work: Path, mode: str, *args: str) -> dict[str, Any]:
+    """One ps-worker run (`args`) in worker-0 against fresh shards of a 1-worker `mode` job; its metrics."""
     try:
         shards = _start_shards(lab, work, mode, "--exit-when-done")
         metrics = work / "worker.json"
-        argv = [
-            str(bin_dir / "ps-worker"), "--server", "shard-0:50051", "--no-progress", "--model", MODEL,
-            "--batch-size", str(plan.link_batch), "--epochs", str(plan.link_epochs), "--metrics-out", str(metrics),
-            # The namespaces share one kernel, so shared memory would reach across them: the link is the point.
-            "--no-shared-memory", "--overlap" if overlap else "--no-overlap",
-        ]  # fmt: skip
-        worker = lab.popen("worker-0", argv, work / "worker.log", env={"PYTHONUNBUFFERED": "1"})
-        if worker.wait(timeout=TIMEOUT) != 0:
-            raise RuntimeError(f"ps-worker failed:\n{(work / 'worker.log').read_text(errors='replace')[-2000:]}")
+        finish_worker(
+            start_worker(lab, "worker-0", work, "worker", "--metrics-out", str(metrics), *args), work, "worker"
+        )
         for proc in shards:
             proc.wait(timeout=60)  # --exit-when-done: the shards end with the job
         return json.loads(metrics.read_text())
@@ -181,20 +203,20 @@ def _run_once(lab: Any, work: Path, plan: Plan, mode: str, overlap: bool) -> dic
 def run(plan: Plan, procs: Processes) -> list[Figure]:
     """push_pull over the limited link in turn and at once; CNN training over it, async, without and with
     --overlap."""
-    why = unavailable()
-    if why is not None:
-        log(f"section {SECTION} skipped: {why}")
+    fresh = lab_for(SECTION)
+    if fresh is None:
         return []
-    netlab = _netlab()
-    netlab.cleanup_stale()
     runs: dict[tuple[str, bool], list[dict[str, Any]]] = {s: [] for s in SETUPS}
-    with netlab.Lab() as lab, tempfile.TemporaryDirectory(prefix="ps-bench-link-") as tmp:
+    with fresh as lab, tempfile.TemporaryDirectory(prefix="ps-bench-link-") as tmp:
         for host in ("worker-0", "worker-1"):  # worker-1 runs only gloo's second rank
             lab.limit_bandwidth(host, rate=plan.link_rate, burst="256kb", latency="100ms")
         figures = _exchange_figures(lab, Path(tmp), plan)
         for _ in range(plan.train_repeats):
             for mode, overlap in SETUPS:  # interleaved, so that the machine's drift weighs on both
-                m = _run_once(lab, Path(tmp), plan, mode, overlap)
+                m = train_once(
+                    lab, Path(tmp), mode, "--model", MODEL, "--batch-size", str(plan.link_batch),
+                    "--epochs", str(plan.link_epochs), "--overlap" if overlap else "--no-overlap",
+                )  # fmt: skip
                 runs[(mode, overlap)].append(m)
                 log(
                     f"link {plan.link_rate} {mode}{' --overlap' if overlap else ''}: {m['samples_per_second']:.0f} "

@@ -6,8 +6,10 @@ The group's first process (local rank 0, the *leader*) joins the job and holds t
 (*members*) never talk to the shards. Each member offers the leader a shared-memory segment
 (paramserver/transport/shm.py, the segment a worker offers a shard on its host): at every exchange it writes its
 gradient (and its buffers' values) into the segment's gradient region and says so over a Unix socket; the leader
-averages the N gradients, runs the exchange, writes the pulled weights into each member's weights region, and
-answers each member with the version (or the error it got, which the member raises as its own). So the servers see
+averages the N gradients, runs the exchange, writes the pulled weights once into a segment of its own that every
+member has mapped, and answers each member with the version (or the error it got, which the member raises as its
+own). A member copies the weights out before it sends its next exchange, and the leader writes them only once every
+member has sent it, so one weights region serves them all. So the servers see
 one worker per host (`ps-server --workers` counts hosts), and a sync round still averages every process's gradient
 with equal weight: with equal batches it equals local training on the combined batch.
 
@@ -115,6 +117,7 @@ class HostGroup:
         self.versions: list[int] = []  # a member's: what the leader's last exchange returned
         self._members: list[socket.socket] = []  # the leader's, by local rank - 1
         self._segments: dict[int, shm.Segment] = {}  # the leader's: each member's; a member's: its own, as [0]
+        self._weights: shm.Segment | None = None  # the leader's, mapped by every member: the pulled weights
         self._sock: socket.socket | None = None  # a member's connection to the leader
         self._sums: dict[int, list[np.ndarray]] = {}
 
@@ -189,7 +192,7 @@ class HostGroup:
 
     def member_exchange(self, b: Binding, grads: list[np.ndarray] | None, pull: bool) -> int:
         """A member's exchange: its gradient into its segment, the leader runs the exchange for the group, the
-        weights back from the segment."""
+        weights out of the leader's weights segment."""
         assert self._sock is not None, "join the group first"
         n = sum(int(t.numel()) for t in b.tensors)
         seg = self._segments.get(0)
@@ -205,10 +208,15 @@ class HostGroup:
         reply = _recv(self._sock, "the group's first process")
         if "error" in reply:
             raise _raised(reply)
+        if "weights" in reply:  # the leader's weights segment, new (the first pull, or another model)
+            if self._weights is not None:
+                self._weights.close()
+            self._weights = shm.Segment.open(str(reply["weights"]), bytes.fromhex(reply["nonce"]), n)
         if pull:
+            assert self._weights is not None, "the leader sends its weights segment with the first pull"
             at = 0
             for flat in b.flats():
-                flat[:] = seg.weights[at : at + len(flat)]
+                flat[:] = self._weights.weights[at : at + len(flat)]
                 at += len(flat)
             b.unmirror_weights()
         self.versions = [int(v) for v in reply["versions"]]
@@ -223,7 +231,7 @@ class HostGroup:
         versions: Callable[[], list[int]],
     ) -> int:
         """The leader's exchange: every member's gradient averaged with its own, `run` (the exchange with the
-        shards) on the mean, the weights into every member's segment."""
+        shards) on the mean, the weights once into the weights segment every member reads."""
         n = sum(int(t.numel()) for t in b.tensors)
         asked = []
         for i, conn in enumerate(self._members, start=1):
@@ -256,13 +264,18 @@ class HostGroup:
         except Exception as exc:
             self._tell_all({"error": type(exc).__name__, "message": str(exc)})
             raise
+        told: dict[str, Any] = {"version": version, "versions": versions()}
         if pull:
+            if self._weights is None or self._weights.elements != n:
+                if self._weights is not None:
+                    self._weights.close()
+                self._weights = shm.Segment.create(n)
+                told |= {"weights": self._weights.name, "nonce": self._weights.nonce.hex()}
             weights = b.flats()
-            for i in range(1, self.size):
-                np.concatenate(weights, out=self._segments[i].weights) if len(weights) > 1 else np.copyto(
-                    self._segments[i].weights, weights[0]
-                )
-        self._tell_all({"version": version, "versions": versions()})
+            np.concatenate(weights, out=self._weights.weights) if len(weights) > 1 else np.copyto(
+                self._weights.weights, weights[0]
+            )
+        self._tell_all(told)
         return version
 
     def _tell_all(self, doc: dict[str, Any]) -> None:
@@ -276,6 +289,6 @@ class HostGroup:
         for conn in [*self._members, *([self._sock] if self._sock is not None else [])]:
             conn.close()
         self._members, self._sock = [], None
-        for seg in self._segments.values():
+        for seg in [*self._segments.values(), *([self._weights] if self._weights is not None else [])]:
             seg.close()
-        self._segments = {}
+        self._segments, self._weights = {}, None
