@@ -74,17 +74,27 @@ class GroupSpec:
         return cls(int(rank), int(size), "\0" + name)
 
 
-def _send(sock: socket.socket, doc: dict[str, Any]) -> None:
+def _gone(who: str) -> GroupBroken:
+    return GroupBroken(f"{who} is gone: this host's group stops (start ps-worker --nproc again to resume)")
+
+
+def _send(sock: socket.socket, doc: dict[str, Any], who: str = "the other end") -> None:
     body = json.dumps(doc).encode()
-    sock.sendall(_LENGTH.pack(len(body)) + body)
+    try:
+        sock.sendall(_LENGTH.pack(len(body)) + body)
+    except OSError:  # a peer killed with our bytes unread resets the connection
+        raise _gone(who) from None
 
 
 def _recv_exact(sock: socket.socket, n: int, who: str) -> bytes:
     data = bytearray()
     while len(data) < n:
-        chunk = sock.recv(n - len(data))
+        try:
+            chunk = sock.recv(n - len(data))
+        except OSError:  # a reset (the peer died with bytes of ours unread), not only an orderly close
+            raise _gone(who) from None
         if not chunk:
-            raise GroupBroken(f"{who} is gone: this host's group stops (start ps-worker --nproc again to resume)")
+            raise _gone(who)
         data += chunk
     return bytes(data)
 
@@ -204,7 +214,11 @@ class HostGroup:
             offer = {"segment": seg.name, "nonce": seg.nonce.hex(), "elements": n}
         if grads is not None:
             np.concatenate(grads, out=seg.grad) if len(grads) > 1 else np.copyto(seg.grad, grads[0])
-        _send(self._sock, {"push": grads is not None, "pull": pull, "digest": b.digest, **offer})
+        _send(
+            self._sock,
+            {"push": grads is not None, "pull": pull, "digest": b.digest, **offer},
+            "the group's first process",
+        )
         reply = _recv(self._sock, "the group's first process")
         if "error" in reply:
             raise _raised(reply)
