@@ -4,13 +4,14 @@ Public API only: `LocalCluster(ServerConfig(replicas=2, coordinator=URL), shards
 copy 0 and copy 1 of the one shard), a real etcd on loopback (`paramserver.testing.EtcdServer`, one for the
 section; each cluster a job of its own name in it), the roles read with `PartRegister(...).read()`, and `PSClient`.
 
-- cost: the push + pull round trip of a dense float32 model, one shard, one worker, sync mode (SGD), against the
-  same job with --replicas 1. Both clusters run at once, each with its worker process, and their rounds are
-  interleaved (r1, r2, then r2, r1, ...), so a drift of this machine's speed weighs on both sides; the ratio is
-  that of the medians (and, in `extra`, the median of each pair's ratio). A push with replicas is acknowledged once
-  the backup answered for it, so the push carries the cost (the pull is the primary's alone). The 100 MB case on
-  shared memory and on the data socket, then with --checkpoint-dir on both sides (the write-ahead log, --wal-sync
-  write, no checkpoint while timed), and a small model (0.6 MB).
+- cost: the exchange a training step makes (push_pull) of a dense float32 model, one shard, one worker, sync mode
+  (SGD), against the same job with --replicas 1. Both clusters run at once, each with its worker process, and their
+  rounds are interleaved (r1, r2, then r2, r1, ...), so a drift of this machine's speed weighs on both sides; the
+  ratio is that of the medians (and, in `extra`, the median of each pair's ratio). An exchange with replicas is
+  answered once the backup answered for its update; the primary forwards the push to the backup as it arrives
+  (data socket) or while it applies it and writes the pull (shared memory), so the copy overlaps the exchange
+  instead of following it. The 100 MB case on shared memory and on the data socket, then with --checkpoint-dir on
+  both sides (the write-ahead log, --wal-sync write, no checkpoint while timed), and a small model (0.6 MB).
 - failover: one worker pushes the small model as fast as it can (push_pull, sync, shared memory); the current
   primary is SIGKILLed at a random moment, restarted 0.5 s later (it comes back as the backup and catches up), and
   again once both copies are in sync. The failover time of each kill: from the SIGKILL to the first acknowledged
@@ -64,7 +65,7 @@ def _tensors(numel: int) -> list[tuple[str, int]]:
 
 def _worker(chan: Channel, params: dict[str, Any]) -> None:
     """One worker. Messages: {"do": "register", address, wire} (a new PSClient, the model registered);
-    {"do": "rounds", n} (n push + pull rounds, timed); {"do": "pound", out} (push_pull as fast as it can, each
+    {"do": "rounds", n} (n push_pull exchanges, timed); {"do": "pound", out} (push_pull as fast as it can, each
     push's sent and acknowledged time.monotonic() written to `out`, until the parent's next message)."""
     import torch
 
@@ -86,15 +87,12 @@ def _worker(chan: Channel, params: dict[str, Any]) -> None:
                 client.register(model)
                 chan.send("registered", transports=[link.transport.kind for link in client.links])
             elif job["do"] == "rounds":
-                push, pull = [], []
-                for _ in range(job["n"]):
+                took = []
+                for _ in range(job["n"]):  # the pulled weights land in `grads`: the next push sends them (finite)
                     t0 = time.perf_counter()
-                    client.push(grads)
-                    t1 = time.perf_counter()
-                    client.pull(model)
-                    push.append(t1 - t0)
-                    pull.append(time.perf_counter() - t1)
-                chan.send("rounds", push=push, pull=pull)
+                    client.push_pull(grads)
+                    took.append(time.perf_counter() - t0)
+                chan.send("rounds", took=took)
             elif job["do"] == "pound":
                 stop = threading.Event()
                 threading.Thread(target=_until_told, args=(chan, stop), daemon=True).start()
@@ -217,7 +215,7 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
 
 
 def _cost(plan: Plan, one: _Job, two: _Job, label: str, numel: int, wire: str, wal: bool) -> list[Figure]:
-    """Push + pull rounds on both clusters in turn; a figure per side, the replicated one compared with the other."""
+    """Exchanges on both clusters in turn; a figure per side, the replicated one compared with the other."""
     nbytes = 4 * numel
     warmup, n = schedule(nbytes, plan.repeats)
     if nbytes >= 50e6:
@@ -226,18 +224,15 @@ def _cost(plan: Plan, one: _Job, two: _Job, label: str, numel: int, wire: str, w
         job.connect(wire)
     kinds = [one.registered(), two.registered()]
     two.in_sync()
-    times: dict[int, dict[str, list[float]]] = {1: {"push": [], "pull": []}, 2: {"push": [], "pull": []}}
+    rt: dict[int, list[float]] = {1: [], 2: []}
     for i in range(warmup + n):
         order = (one, two) if i % 2 == 0 else (two, one)
         for job in order:
             job.child.send(do="rounds", n=1)
             got = job.child.expect("rounds", TIMEOUT)
             if i >= warmup:
-                side = job.config.replicas
-                times[side]["push"] += got["push"]
-                times[side]["pull"] += got["pull"]
+                rt[job.config.replicas] += got["took"]
     variant = f"{wire}{'-wal' if wal else ''}"
-    rt = {side: [p + q for p, q in zip(t["push"], t["pull"], strict=True)] for side, t in times.items()}
     pairs = [b / a for a, b in zip(rt[1], rt[2], strict=True) if a > 0]
     figures = []
     for side in (1, 2):
@@ -246,7 +241,7 @@ def _cost(plan: Plan, one: _Job, two: _Job, label: str, numel: int, wire: str, w
             Figure(
                 id=fid,
                 section=SECTION,
-                title=f"push + pull, {label}, 1 shard, 1 worker, {PATHS[wire]}"
+                title=f"push_pull, {label}, 1 shard, 1 worker, {PATHS[wire]}"
                 + (", --checkpoint-dir (log)" if wal else "")
                 + f", --replicas {side}",
                 unit="ms",
@@ -255,8 +250,6 @@ def _cost(plan: Plan, one: _Job, two: _Job, label: str, numel: int, wire: str, w
                 warmup=warmup,
                 compare=[f"{SECTION}.rt.{label}.{variant}.r1"] if side == 2 else [],
                 extra={
-                    "push_ms": median(ms(times[side]["push"])),
-                    "pull_ms": median(ms(times[side]["pull"])),
                     "transports": kinds[side - 1],
                     **({"paired_ratio_median": round(median(pairs), 4), "target": 1.3} if side == 2 else {}),
                 },

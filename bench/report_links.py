@@ -27,7 +27,8 @@ def replication(ix: _Index) -> list[str]:
         "## Replication: --replicas 2 (a hot standby beside each primary)",
         "",
         "One shard, one worker process, sync mode (SGD); the shard's two copies are processes, their roles in a real "
-        "etcd on loopback. A push with replicas is acknowledged once the backup answered for it. Cost: the same "
+        "etcd on loopback. An exchange (push_pull) with replicas is answered once the backup answered for its "
+        "update, which the primary forwards as the push arrives or while it applies it. Cost: the same "
         "exchange against a job with --replicas 1, both jobs up at once and their rounds interleaved (r1, r2, then "
         "r2, r1, ...); ÷ is the ratio of the medians, paired the median of each pair of rounds' ratio. "
         "--checkpoint-dir: the write-ahead log on both sides (--wal-sync write, no checkpoint while timed).",
@@ -53,8 +54,6 @@ def replication(ix: _Index) -> list[str]:
                     fmt(f["median"]),
                     fmt(r, "x"),
                     fmt(e.get("paired_ratio_median"), "x"),
-                    f"{fmt((base or {}).get('extra', {}).get('push_ms'))} / {fmt(e.get('push_ms'))}",
-                    f"{fmt((base or {}).get('extra', {}).get('pull_ms'))} / {fmt(e.get('pull_ms'))}",
                     _target(r, e.get("target")),
                 ]
             )
@@ -62,12 +61,10 @@ def replication(ix: _Index) -> list[str]:
             "payload",
             "path",
             "--checkpoint-dir",
-            "push+pull ms, r1",
+            "push_pull ms, r1",
             "r2",
             "r2 ÷ r1",
             "paired",
-            "push ms r1 / r2",
-            "pull ms r1 / r2",
             "target",
         ]
         lines += [*_table(header, rows), ""]

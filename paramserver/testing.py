@@ -13,6 +13,7 @@ on free loopback ports and yields its URL:
 
     def test_failover(ps_cluster_factory, ps_etcd):
         cluster = ps_cluster_factory(ServerConfig(replicas=2, coordinator=ps_etcd), 2, processes=True)
+        primary = cluster.wait_in_sync(0).primary  # both copies of shard 0 hold the state; this one serves
 
 `make_pki` writes a throwaway CA and certificates for testing TLS and mutual TLS:
 

@@ -30,18 +30,6 @@ def _register(url: str, shard: int) -> PartRegister:
     return PartRegister(Etcd(url), ServerConfig().job_name, shard)
 
 
-def _in_sync(url: str, shard: int, timeout: float = 60.0) -> PartConfig:
-    """Wait until both copies of `shard` are in sync; return the configuration."""
-    register = _register(url, shard)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        cfg = register.read()
-        if cfg is not None and len(cfg.in_sync) == 2:
-            return cfg
-        time.sleep(0.05)
-    raise AssertionError(f"shard {shard}'s copies did not get in sync within {timeout} s: {register.read()}")
-
-
 def _push(client: PSClient, model: torch.nn.Module) -> None:
     for p in model.parameters():
         p.grad = torch.full_like(p, -1.0)
@@ -95,7 +83,7 @@ def test_both_copies_hold_the_same_state_and_the_backup_refuses_workers(
     with PSClient(cluster.addresses[1]) as client:  # any copy's address finds the job
         client.register(model)
         for shard in range(2):
-            _in_sync(ps_etcd, shard)
+            cluster.wait_in_sync(shard)
         for _ in range(15):
             loss = model(torch.randn(8, 20)).pow(2).mean()
             model.zero_grad()
@@ -138,7 +126,7 @@ def test_a_killed_primary_loses_nothing(
     with PSClient(cluster.address, shared_memory=shared_memory, data_socket=True) as client:
         client.register(model)
         for _kill in range(2):
-            primary = _in_sync(ps_etcd, 0).primary
+            primary = cluster.wait_in_sync(0).primary
             for _ in range(10):
                 _push(client, model)
                 pushes += 1
@@ -173,7 +161,7 @@ def test_a_silent_primary_is_deposed_and_exits(ps_etcd: str, ps_cluster_factory:
     pushes = 0
     with PSClient(cluster.address) as client:
         client.register(model)
-        old = _in_sync(ps_etcd, 0)
+        old = cluster.wait_in_sync(0)
         for _ in range(5):
             _push(client, model)
             pushes += 1
@@ -190,7 +178,7 @@ def test_a_silent_primary_is_deposed_and_exits(ps_etcd: str, ps_cluster_factory:
         now = _register(ps_etcd, 0).read()
         assert now is not None and now.primary == 1 - old.primary and now.epoch > old.epoch
         cluster.restart(old.primary)
-        _in_sync(ps_etcd, 0)
+        cluster.wait_in_sync(0)
         for _ in range(5):
             _push(client, model)
             pushes += 1

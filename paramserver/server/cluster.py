@@ -10,10 +10,14 @@ import sys
 import threading
 import time
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from paramserver.config import ServerConfig
 from paramserver.procs import child_env
 from paramserver.server.shard_server import ShardServer
+
+if TYPE_CHECKING:
+    from paramserver.coord import PartConfig
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +228,24 @@ class LocalCluster:
     def poll(self) -> list[int | None]:
         """Exit status of each shard process (None while it runs); all None in thread mode."""
         return [p.poll() for p in self.procs] if self.procs else [None] * self.num_servers
+
+    def wait_in_sync(self, shard: int, timeout: float = 60.0) -> PartConfig:
+        """With --replicas 2: wait until both copies of `shard` are in its in-sync set (a backup that started
+        takes the whole state first); return the part's configuration (`.primary`: the copy that serves).
+        TimeoutError after `timeout` seconds."""
+        from paramserver.coord import Etcd, PartRegister
+
+        if not self.config.coordinator:
+            raise RuntimeError("the cluster has no coordinator: its shards are not replicated")
+        register = PartRegister(Etcd(self.config.coordinator), self.config.job_name, shard)
+        deadline = time.monotonic() + timeout
+        while True:
+            cfg = register.read()
+            if cfg is not None and len(cfg.in_sync) == 2:
+                return cfg
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"shard {shard}'s copies were not in sync after {timeout:.0f} s: {cfg}")
+            time.sleep(0.05)
 
     def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
         """Send a signal to one shard process (fault tests)."""

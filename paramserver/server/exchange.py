@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,7 +33,7 @@ from paramserver.errors import MalformedStream, PSError
 from paramserver.shard import reads
 from paramserver.shard.model import ShardModel
 from paramserver.shard.sparse import RowBlock, SparseIn
-from paramserver.shard.state import Shard
+from paramserver.shard.state import Forwarded, Shard
 from paramserver.transport import shm
 from paramserver.v1 import ps_pb2
 from paramserver.wire import compression
@@ -65,6 +65,12 @@ class Want:
         )
 
 
+class Progress(Protocol):
+    """Told as a push's gradient arrives (Forwarded)."""
+
+    def advance(self, ready: int) -> None: ...
+
+
 # -- gradient sources --------------------------------------------------------------------------------------------
 
 
@@ -82,12 +88,18 @@ class GradientSource(ABC):
     def ready(self) -> None:  # noqa: B027 - not abstract: most sources have nothing to wait for
         """Wait, holding nothing, until the gradient can be received at once (a small payload all arrived)."""
 
-    def fill(self, model: ShardModel, grad: np.ndarray) -> None:
-        """Write the whole gradient into `grad`, a scratch buffer of the model's size; raise if it is malformed."""
+    def fill(self, model: ShardModel, grad: np.ndarray, progress: Progress | None = None) -> None:
+        """Write the whole gradient into `grad`, a scratch buffer of the model's size; raise if it is malformed.
+        `progress.advance(n)`: where a source can, it says so as bytes [0, n) of `grad` are written."""
         raise NotImplementedError(f"{type(self).__name__} is used in place")
 
     def region(self, model: ShardModel) -> np.ndarray:
         """The validated gradient where it lies (in place only)."""
+        raise NotImplementedError(f"{type(self).__name__} is received into a scratch buffer")
+
+    def unchecked(self) -> np.ndarray:
+        """The gradient where it lies, before `region` validates it (in place only): what a backup is forwarded
+        while it is validated (and told to drop if it is refused)."""
         raise NotImplementedError(f"{type(self).__name__} is received into a scratch buffer")
 
 
@@ -109,6 +121,9 @@ class SegmentGradient(GradientSource):
         check_finite(model.views(self._grad), model.labels)
         return self._grad
 
+    def unchecked(self) -> np.ndarray:
+        return self._grad
+
 
 class PayloadGradient(GradientSource):
     """A data-socket frame's payload: the pieces back to back in the request's dtype, then the raw arrays of the
@@ -126,8 +141,8 @@ class PayloadGradient(GradientSource):
     def ready(self) -> None:
         self._payload.wait_arrival()  # a stalled small push then holds no scratch buffer
 
-    def fill(self, model: ShardModel, grad: np.ndarray) -> None:
-        self._payload.read_into([grad], self._dtype, self._raw)
+    def fill(self, model: ShardModel, grad: np.ndarray, progress: Progress | None = None) -> None:
+        self._payload.read_into([grad], self._dtype, self._raw, progress.advance if progress is not None else None)
         check_finite(model.views(grad), model.labels)
 
 
@@ -141,7 +156,7 @@ class CompressedGradient(PayloadGradient):
         super().__init__(payload, dtype, raw)
         self._compression = compression
 
-    def fill(self, model: ShardModel, grad: np.ndarray) -> None:
+    def fill(self, model: ShardModel, grad: np.ndarray, progress: Progress | None = None) -> None:
         specs = {s.name: s for s in model.placement.specs}
         layout = compression.layout(self._compression, model.pieces, specs)  # refused before a byte is read
         values, extra = np.empty(layout.values, np.float32), layout.raw()
@@ -169,7 +184,7 @@ class StreamGradient(GradientSource):
     def nbytes(self) -> int:
         return self._stream.bytes
 
-    def fill(self, model: ShardModel, grad: np.ndarray) -> None:
+    def fill(self, model: ShardModel, grad: np.ndarray, progress: Progress | None = None) -> None:
         self._stream.receive(model.views(grad), model.labels, self._dtype)
 
 
@@ -185,7 +200,7 @@ class ChunksGradient(GradientSource):
     def nbytes(self) -> int:
         return self._nbytes
 
-    def fill(self, model: ShardModel, grad: np.ndarray) -> None:
+    def fill(self, model: ShardModel, grad: np.ndarray, progress: Progress | None = None) -> None:
         receiver = ChunkReceiver(model.views(grad), model.labels, self._dtype, check_finite=True)
         for chunk in self._chunks:
             receiver.add(chunk.piece, chunk.offset, memoryview(chunk.data))
@@ -332,25 +347,30 @@ class ExchangeHandler:
         rows: list[RowBlock] = sparse.rows if sparse is not None else []
         if rows and source is None:
             raise MalformedStream("rows are pushed with a push: set push")
+        durable: int | None = None
         if source is not None:
             if model is None:
                 raise ValueError("a push names its model: see ExchangeHandler.model")
             reply.version, reply.applied = self._push(want, model, source, rows)
             metrics.bytes_in.inc(source.nbytes + sum(b.nbytes for b in rows))
-            # Acknowledged only once the update holding it is logged (a shard with a checkpoint_dir).
-            self.shard.wait_durable(want.worker_id, _clamp(timeout, self.shard.config.pull_timeout))
+            durable = self.shard.durable_target(want.worker_id)
             if not reply.applied:  # a retry of a push taken before: its version may be older than base + 1
                 want = dataclasses.replace(want, min_version=min(want.min_version, reply.version))
         wait = _clamp(timeout, self.shard.config.pull_timeout)
         if sink is not None:
             self._pull(want, sink, wait, reply)
-        if sparse is not None and sparse.lookups:
-            try:
+        try:
+            if sparse is not None and sparse.lookups:
                 self._lookup(want, model, sparse, wait, reply)
-            except BaseException:
-                if sink is not None:
-                    sink.release()
-                raise
+            # Acknowledged only once the update holding the push is logged (a shard with a checkpoint_dir) and
+            # held by the backup: waited for last, so the backup receives it while the pull is written. Nothing
+            # reaches the worker before this returns (the reply, the segment's doorbell).
+            if durable is not None:
+                self.shard.wait_durable(durable, wait)
+        except BaseException:
+            if sink is not None:
+                sink.release()
+            raise
         return reply
 
     def _push(
@@ -358,18 +378,40 @@ class ExchangeHandler:
     ) -> tuple[int, bool]:
         shard = self.shard
         if source.in_place:
-            # The segment was found through the worker's live attachment, which checked the worker.
-            region = source.region(model)
-            model.tables.check(rows)
-            return shard.push(want.worker_id, want.step, want.base_version, region, model.digest, rows=rows)
+            # The segment was found through the worker's live attachment, which checked the worker. Its gradient
+            # stays as it is until the worker hears back, which waits for the backup: it goes to the backup from
+            # where it lies while it is validated and applied and the pull is written.
+            forward = shard.forward(source.unchecked())
+            if forward is not None:
+                forward.complete()
+
+            def push_in_place() -> tuple[int, bool]:
+                region = source.region(model)
+                model.tables.check(rows)
+                return shard.push(
+                    want.worker_id, want.step, want.base_version, region, model.digest, rows=rows, forward=forward
+                )
+
+            return _settled(forward, push_in_place)
         # Before a scratch buffer is taken and the gradient received (Shard.push checks both again).
         shard.check_step(want.step)
         shard.check_worker(want.worker_id)
         source.ready()
         with shard.scratch() as grad:
-            source.fill(model, grad)  # a refusal here changes nothing: the buffer is the pool's
-            model.tables.check(rows)
-            return shard.push(want.worker_id, want.step, want.base_version, grad, model.digest, lent=True, rows=rows)
+            forward = shard.forward(grad)  # sent to the backup as it arrives
+
+            def push() -> tuple[int, bool]:
+                source.fill(model, grad, forward)  # a refusal here changes nothing: the buffer is the pool's
+                model.tables.check(rows)
+                if forward is not None:
+                    forward.complete()
+                    forward.wait_sent()  # a round may add into this buffer (its sum), or give it back, after
+                return shard.push(
+                    want.worker_id, want.step, want.base_version, grad, model.digest, lent=True, rows=rows,
+                    forward=forward,
+                )  # fmt: skip
+
+            return _settled(forward, push)
 
     def _lookup(
         self, want: Want, model: ShardModel | None, sparse: SparseIn, timeout: float, reply: ps_pb2.ExchangeResponse
@@ -402,6 +444,20 @@ class ExchangeHandler:
         except BaseException:
             sink.release()
             raise
+
+
+def _settled(forward: Forwarded | None, push: Callable[[], tuple[int, bool]]) -> tuple[int, bool]:
+    """Run `push`; a forwarded push that it did not apply (refused, or a retry of one applied before) is aborted,
+    so the backup drops it."""
+    try:
+        version, applied = push()
+    except BaseException:
+        if forward is not None:
+            forward.abort()
+        raise
+    if forward is not None and not applied:
+        forward.abort()
+    return version, applied
 
 
 def _clamp(timeout: float, limit: float) -> float:

@@ -204,6 +204,13 @@ class ShardMetrics:
             ["shard"],
             registry=r,
         ).labels(s)
+        self.backup_updates = Counter(
+            "paramserver_replica_backup_updates",
+            "Updates a primary sent its live backup, by how their gradient went: forwarded (the pushes as they "
+            "arrived, then a record naming them) or whole (the record with the gradient, after it applied)",
+            ["shard", "how"],
+            registry=r,
+        )
         self.backup_lost = Counter(
             "paramserver_replica_backup_dropped",
             "Times a primary went on without its backup (silent, its link broken, or restarted)",
@@ -232,6 +239,9 @@ class ShardMetrics:
 
     def refused_connection(self, socket: str, reason: str) -> None:
         self.connections_refused.labels(self._shard, socket, reason).inc()
+
+    def sent_backup(self, how: str) -> None:
+        self.backup_updates.labels(self._shard, how).inc()
 
     def straggler(self, rank: int) -> None:
         self.stragglers.labels(self._shard, str(rank)).inc()

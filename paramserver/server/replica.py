@@ -154,7 +154,7 @@ class Replication:
         """Close the link and the listener; the threads end. A primary whose job is done tells its backup first,
         which then stops too instead of taking over, and the coordinator, for a copy that starts again later."""
         if self.shard.done.is_set() and self.shard.replicator is self._leader and not self.deposed.is_set():
-            self._leader.heartbeat()
+            self._leader.heartbeat(wait=True)
             self.register.mark_done(self.copy)
         self._stop.set()
         self._leader.close()

@@ -24,10 +24,15 @@ from pathlib import Path
 
 from paramserver.coord import PartConfig
 from paramserver.errors import NotPrimary
+from paramserver.server.replica_outbox import Forward, Outbox
 from paramserver.server.replica_stream import (
     _BEAT,
+    _U32,
     _U64,
+    APPLY,
     DONE,
+    DROP,
+    FORWARD,
     HEARTBEAT,
     IN_SYNC,
     MAX_HELLO,
@@ -40,7 +45,7 @@ from paramserver.server.replica_stream import (
     send_message,
 )
 from paramserver.shard import checkpoint
-from paramserver.shard.state import Shard
+from paramserver.shard.state import Forwarded, Shard
 from paramserver.transport.tcp import keep_alive
 
 log = logging.getLogger(__name__)
@@ -96,6 +101,7 @@ class Leader:
         self._heard = 0.0
         self._unacked_bytes = 0
         self._failed = ""  # why the backup link broke ("" while it holds)
+        self._outbox: Outbox | None = None  # what writes to the live backup, in order
 
     def _who(self) -> tuple[int, int]:
         return self.shard.index, self.copy
@@ -122,11 +128,11 @@ class Leader:
             t.join(timeout=5)
 
     def send(self, version: int, parts: Sequence[memoryview | bytes]) -> None:
-        """Hand one update to the backup (under the shard's lock, in version order): straight onto the link once
-        it is live, else queued (copied) behind the state being sent."""
+        """Hand one update to the backup (under the shard's lock, in version order): onto the link once it is
+        live (written before this returns: `parts` are views of buffers that change after), else queued (copied)
+        behind the state being sent."""
         with self._cond:
-            sock = self._backup
-            if sock is None or self._failed:
+            if self._backup is None or self._failed:
                 return
             total = sum(len(p) for p in parts)
             if not self._live:
@@ -136,17 +142,49 @@ class Leader:
                     self._failed = f"it fell {self._queued_bytes} bytes of updates behind while taking the state"
                     self._cond.notify_all()
                 return
-            try:
-                sock.settimeout(self.timeout + total / MIN_BYTES_PER_S)
-                sock.sendall(RECORD + bytes(parts[0]))  # the tag and the record's head in one segment
-                for p in parts[1:]:
-                    sock.sendall(p)
-            except OSError as exc:
-                self._failed = f"sending version {version} failed: {exc}"
-                self._cond.notify_all()
-                return
+            box = self._outbox
+            assert box is not None
+        if box.post([RECORD, *parts], wait=True):  # the sender's failure is recorded by `_sender_failed`
+            self._sent_update(version, total)
+            self.shard.metrics.sent_backup("whole")
+
+    def forward(self, data: memoryview) -> Forward | None:
+        """Start sending a push's bytes to a live backup as they become final (Replicator.forward); None where
+        none is live, or as many pushes as the shard has scratch buffers (--max-concurrent-pushes) are
+        held there already: the backup's memory for them is bounded as the primary's is."""
+        with self._cond:
+            box = self._outbox if self._live and not self._failed else None
+        return box.forward(data, self.config.max_concurrent_pushes) if box is not None else None
+
+    def send_forwarded(self, version: int, forwards: Sequence[Forwarded], parts: Sequence[memoryview | bytes]) -> bool:
+        """Hand the backup an update made of pushes it was forwarded (Replicator.send_forwarded): their ids and
+        the record without its gradient. False (the forwards dropped there) where they went over an earlier
+        connection or one was aborted: the caller then sends the whole record."""
+        with self._cond:
+            box = self._outbox if self._live and not self._failed else None
+        ours = [f for f in forwards if isinstance(f, Forward) and f.outbox is box and not f.aborted]
+        if box is None or len(ours) != len(forwards):
+            for f in forwards:
+                f.abort()
+            return False
+        head = APPLY + _U32.pack(len(ours)) + b"".join(_U64.pack(f.id) for f in ours)
+        if not box.post([head, *parts]):
+            return False
+        box.settle(ours)
+        self._sent_update(version, sum(f.nbytes for f in ours) + sum(len(p) for p in parts))
+        self.shard.metrics.sent_backup("forwarded")
+        return True
+
+    def _sent_update(self, version: int, nbytes: int) -> None:
+        with self._cond:
             self._sent = version
-            self._unacked_bytes += total
+            self._unacked_bytes += nbytes
+
+    def _sender_failed(self, ident: int, why: str) -> None:
+        with self._cond:
+            if ident == self._backup_id and not self._failed:
+                self._failed = why
+                self._cond.notify_all()
 
     def wait_acked(self, version: int, timeout: float) -> bool:
         """Wait until the backup holds `version`, where it must (in the in-sync set, or catching up live);
@@ -244,6 +282,9 @@ class Leader:
                 if ident != self._backup_id or self._failed:
                     return
                 if not self._queue:
+                    self._outbox = Outbox(
+                        conn, (FORWARD, DROP), self.timeout, lambda why: self._sender_failed(ident, why)
+                    )
                     self._live = True
                     self._heard = time.monotonic()
                     self._need_acks = True  # from now on an acknowledgement waits for the backup
@@ -298,24 +339,23 @@ class Leader:
                 if self._change(lambda c: c.but(in_sync=(self.copy, self.other)), "the backup caught up"):
                     self.shard.metrics.backup_in_sync.set(1)
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, wait: bool = False) -> None:
         """Tell a live backup the version, the finished workers, whether it is in sync and whether the job is
-        done (a primary stopping because it is says so last)."""
+        done (a primary stopping because it is says so last: `wait` until it is written)."""
         with self.shard.lock, self._cond:
-            sock = self._backup
-            if sock is None or self._failed or not self._live:
+            box = self._outbox
+            if box is None or self._failed or not self._live:
                 return
-            try:
-                sock.settimeout(self.timeout)
-                cfg = self._seen()
-                flags = IN_SYNC if cfg is not None and self.other in cfg.in_sync else 0
-                flags |= DONE if self.shard.done.is_set() else 0
-                sock.sendall(HEARTBEAT + _BEAT.pack(self.shard.version, self.shard.finished_workers, flags))
-            except OSError as exc:
-                self._failed = f"a heartbeat failed: {exc}"
-                self._cond.notify_all()
+            cfg = self._seen()
+            flags = IN_SYNC if cfg is not None and self.other in cfg.in_sync else 0
+            flags |= DONE if self.shard.done.is_set() else 0
+            beat = HEARTBEAT + _BEAT.pack(self.shard.version, self.shard.finished_workers, flags)
+        box.post([beat], wait=wait)  # in order behind the updates before it; a failure is `_sender_failed`'s
 
     def _drop_backup_locked(self) -> None:
+        if self._outbox is not None:
+            self._outbox.close()
+            self._outbox = None
         sock, self._backup = self._backup, None
         self._backup_id += 1
         self._live, self._queue = False, []

@@ -7,12 +7,21 @@ Messages, primary to backup:
 
     b"S" u64 n, n bytes   the whole state (a checkpoint file) a backup starts from
     b"R" record           one update, as the write-ahead log writes it (paramserver.shard.wal)
+    b"P" u64 id, u64 offset, u32 n, n bytes
+                          a piece of a push forwarded while it arrives (paramserver.server.replica_outbox): bytes
+                          [offset, offset + n) of its flat float32 gradient, pieces in order
+    b"X" u64 id           a forwarded push that will not apply: drop it
+    b"A" u32 k, k u64 ids, record
+                          one update whose gradient is the forwarded pushes named, combined as a sync round combines
+                          them (summed in this order, then divided by k when k > 1); the record (a write-ahead log
+                          record) carries an empty gradient
     b"H" u64 version, u32 finished workers, u8 flags   a heartbeat, every replica_timeout / 4 (flags: 1 the
                           backup is in sync, 2 the job is done: a primary stopping because of it says so last)
 
-and backup to primary a u64 version for every one of those. The backup opens the connection with a JSON hello
-(job, shard, copy, the epoch it read, the bearer token when the job has one), sent as a u64 length and the bytes;
-the primary answers {"ok": true} or {"error": why} the same way.
+and backup to primary a u64 version for every "S", "R", "A" and "H" (not for pieces and drops). A backup holds at
+most MAX_FORWARDS forwarded pushes at once; the primary sends at most --max-concurrent-pushes. The backup opens the
+connection with a JSON hello (job, shard, copy, the epoch it read, the bearer token when the job has one), sent as
+a u64 length and the bytes; the primary answers {"ok": true} or {"error": why} the same way.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from paramserver.config import ServerConfig
 from paramserver.coord import CoordinatorUnavailable, PartConfig, PartRegister
@@ -43,7 +53,11 @@ from paramserver.transport.tcp import keep_alive
 log = logging.getLogger(__name__)
 
 SNAPSHOT, RECORD, HEARTBEAT = b"S", b"R", b"H"
+FORWARD, DROP, APPLY = b"P", b"X", b"A"
 _U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_PART = struct.Struct("<QQI")
+MAX_FORWARDS = 64  # forwarded pushes a backup holds at once: more is a primary out of step
 _BEAT = struct.Struct("<QIB")
 IN_SYNC, DONE = 1, 2
 MAX_HELLO = 4096
@@ -114,6 +128,7 @@ class Follower:
         self._stop = stop
         self._set_ready = set_ready
         self._rx = memoryview(b"")  # the receive buffer for updates
+        self._pushes = _Forwarded(shard)
         self.damaged = False
 
     def _who(self) -> tuple[int, int]:
@@ -189,6 +204,7 @@ class Follower:
             # The whole state comes first, once the primary has written it out: give that time (it judges the
             # transfer by the bytes flowing); after it, silence longer than replica_timeout means the primary is gone.
             sock.settimeout(max(30.0, self.timeout))
+            self._pushes.clear()  # ids are the connection's
             while not self._stop.is_set():
                 kind = bytes(recv_exact(sock, 1))
                 if kind == SNAPSHOT:
@@ -197,6 +213,15 @@ class Follower:
                 elif kind == RECORD:
                     self._receive_record(sock)
                     continue  # answered as soon as it arrived whole, before it applied
+                elif kind == FORWARD:
+                    self._pushes.receive(sock)
+                    continue
+                elif kind == DROP:
+                    self._pushes.drop(_U64.unpack(recv_exact(sock, _U64.size))[0])
+                    continue
+                elif kind == APPLY:
+                    self._receive_apply(sock)
+                    continue
                 elif kind == HEARTBEAT:
                     version, finished, flags = _BEAT.unpack(recv_exact(sock, _BEAT.size))
                     self.shard.finished_workers = max(self.shard.finished_workers, finished)
@@ -267,3 +292,85 @@ class Follower:
             # Answered but not applied: this copy must not take over; it takes the whole state again.
             self.damaged = True
             raise ValueError(f"an update from the primary does not apply here: {exc}") from None
+
+    def _receive_apply(self, sock: socket.socket) -> None:
+        """Take one update made of forwarded pushes: their ids, then the record without its gradient. Answered once
+        it arrived (the pushes are here whole: they came first), then combined, logged and applied."""
+        (k,) = _U32.unpack(recv_exact(sock, _U32.size))
+        if not 1 <= k <= MAX_FORWARDS:
+            raise ValueError(f"an update naming {k} forwarded pushes")
+        ids = list(struct.unpack(f"<{k}Q", recv_exact(sock, 8 * k)))
+        head = bytes(recv_exact(sock, wal.HEAD_BYTES))
+        header = bytes(recv_exact(sock, wal.header_size(head)))
+        body = bytes(recv_exact(sock, wal.body_size(head, header)))
+        found = wal.decode(memoryview(head + header + body))
+        if found is None or found[0].grad.size:
+            raise ValueError("an update from the primary does not decode")
+        rec = found[0]
+        grad = self._pushes.combine(ids)  # ValueError for an id not held whole
+        sock.sendall(_U64.pack(rec.version))
+        rec.grad = grad
+        try:
+            standby.apply_record(self.shard, rec, wal.encode(rec.version, rec.pushes, grad, rec.rows, rec.wall))
+        except ValueError as exc:
+            self.damaged = True
+            raise ValueError(f"an update from the primary does not apply here: {exc}") from None
+        finally:
+            self._pushes.release(ids)
+
+
+class _Forwarded:
+    """The pushes a primary forwarded while they arrived, held until the update naming them applies: one buffer of
+    the model's size each (reused), filled piece by piece in order."""
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+        self._held: dict[int, tuple[np.ndarray, int]] = {}  # id -> (buffer, bytes received)
+        self._free: list[np.ndarray] = []
+
+    def clear(self) -> None:
+        for ident in list(self._held):
+            self.drop(ident)
+
+    def receive(self, sock: socket.socket) -> None:
+        ident, offset, n = _PART.unpack(recv_exact(sock, _PART.size))
+        if ident not in self._held:
+            model = self.shard.model
+            if model is None:
+                raise ValueError("a forwarded push before the state it applies to")
+            if len(self._held) >= MAX_FORWARDS:
+                raise ValueError(f"more than {MAX_FORWARDS} forwarded pushes held at once")
+            buf = self._free.pop() if self._free and self._free[-1].size == model.numel else None
+            self._held[ident] = (buf if buf is not None else np.empty(model.numel, np.float32), 0)
+        buf, got = self._held[ident]
+        view = buf.data.cast("B")
+        if offset != got or offset + n > len(view):
+            raise ValueError(f"a piece [{offset}, {offset + n}) of forwarded push {ident}, which has {got} bytes")
+        recv_exact(sock, n, view[offset : offset + n])
+        self._held[ident] = (buf, got + n)
+
+    def drop(self, ident: int) -> None:
+        held = self._held.pop(ident, None)
+        if held is not None and len(self._free) < 4:  # kept for the next pushes: a fresh one faults in its pages
+            self._free.append(held[0])
+
+    def combine(self, ids: list[int]) -> np.ndarray:
+        """The pushes' mean, computed as the primary's round computed it (SyncPolicy: the first, plus each other in
+        order, divided by their count), so the two copies apply bit-identical gradients."""
+        bufs = []
+        for ident in ids:
+            buf, got = self._held.get(ident, (None, 0))
+            if buf is None or got != buf.nbytes:
+                raise ValueError(f"an update names forwarded push {ident}, which is not here whole")
+            bufs.append(buf)
+        if len(bufs) == 1:
+            return bufs[0]
+        total = torch.from_numpy(bufs[0])
+        for buf in bufs[1:]:
+            total.add_(torch.from_numpy(buf))
+        total.div_(len(bufs))
+        return bufs[0]
+
+    def release(self, ids: list[int]) -> None:
+        for ident in ids:
+            self.drop(ident)

@@ -59,12 +59,42 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_NO_GRAD = np.empty(0, dtype=np.float32)  # the gradient of a record whose pushes the backup has (forwarded)
+
+
+class Forwarded(Protocol):
+    """A push on its way to the backup while it arrives (paramserver.server.replica_outbox.Forward)."""
+
+    def advance(self, ready: int) -> None:
+        """Bytes [0, ready) of the push are final."""
+
+    def complete(self) -> None:
+        """The whole push is final."""
+
+    def wait_sent(self) -> bool:
+        """Wait until its memory is no longer read (it may change after)."""
+        return True
+
+    def abort(self) -> None:
+        """It will not apply: the backup drops it."""
+
 
 class Replicator(Protocol):
     """Where a primary's updates go besides its own log: its backup (paramserver.server.replica_leader)."""
 
     def send(self, version: int, parts: Sequence[memoryview | bytes]) -> None:
         """Hand over one encoded update (under the shard's lock, in version order, before the version shows)."""
+
+    def forward(self, data: memoryview) -> Forwarded | None:
+        """Start sending a push's bytes (a flat float32 gradient, as bytes) as they become final; None where the
+        backup cannot take it (none live)."""
+        return None
+
+    def send_forwarded(self, version: int, forwards: Sequence[Forwarded], parts: Sequence[memoryview | bytes]) -> bool:
+        """Like `send`, for an update whose gradient is the `forwards` combined as a round combines pushes (their
+        mean, in order): `parts` is its record without the gradient. False where they cannot name it (another
+        connection since): then `send` the whole record."""
+        return False
 
     def wait_acked(self, version: int, timeout: float) -> bool:
         """Wait until every copy that must hold `version` does; False after `timeout` seconds."""
@@ -103,6 +133,7 @@ class Shard:
         self.incarnation = uuid.uuid4().hex
         self.init_slot = InitSlot(self, self._cond)
         self._round_pushes: list[tuple[str, int]] = []  # (worker, step) of the pushes the next update holds
+        self._round_forwards: dict[tuple[str, int], Forwarded] = {}  # those forwarded to the backup as they came
 
     # -- membership --------------------------------------------------------------------------------------------
 
@@ -185,13 +216,16 @@ class Shard:
         acknowledged update."""
         return self.checkpoints.wal is not None or self.replicated
 
-    def wait_durable(self, worker_id: str, timeout: float) -> None:
-        """Wait until the update holding this worker's last push is logged as --wal-sync promises (in sync mode:
-        until its round applied); PullTimeout after `timeout` seconds. At once without a log."""
+    def durable_target(self, worker_id: str) -> int:
+        """The version that holds this worker's last push (in sync mode: the open round's, while it is open)."""
+        with self._cond:
+            return self.version + self.policy.pending(worker_id)
+
+    def wait_durable(self, version: int, timeout: float) -> None:
+        """Wait until `version` (`durable_target`) is logged as --wal-sync promises and held by the backup that
+        must hold it; PullTimeout after `timeout` seconds. At once without a log or a backup."""
         if not self.durable and self.replicator is None:
             return
-        with self._cond:
-            version = self.version + self.policy.pending(worker_id)
         replicator = self.replicator
         if replicator is not None and not replicator.wait_acked(version, timeout):
             raise PullTimeout(
@@ -204,10 +238,17 @@ class Shard:
                 f"after {timeout:.1f} s: {self.policy.waiting_for(self)}; push again (it applies once)"
             )
 
+    def forward(self, data: np.ndarray) -> Forwarded | None:
+        """Start sending a push's gradient (a flat float32 array) to the backup as it becomes final (see
+        Replicator.forward); None without a live backup."""
+        replicator = self.replicator
+        return replicator.forward(data.data.cast("B")) if replicator is not None else None
+
     def adopt_locked(self, model: ShardModel, version: int) -> None:
         """Hold `model` at `version` from now on, with a fresh round and scratch pool (call under the lock)."""
         self.model = model
         self.version = version
+        self._drop_round_forwards()
         self._round_pushes = []
         self.policy.reset(model.numel)
         self._pool = BufferPool(self.config.max_concurrent_pushes, model.numel)
@@ -246,10 +287,12 @@ class Shard:
         digest: str,
         lent: bool = False,
         rows: Sequence[RowBlock] = (),
+        forward: Forwarded | None = None,
     ) -> tuple[int, bool]:
         """Hand a validated gradient (and validated row gradients, see ShardTables.check) to the consistency
         policy; return (version, applied). `lent`: the gradient is in a buffer lent by `scratch()`, which the
-        policy may keep (see `keep_scratch`)."""
+        policy may keep (see `keep_scratch`). `forward`: its bytes are on their way to the backup (`forward`), so
+        the update holding it can name it instead of carrying it; the caller aborts it unless this applied it."""
         with self._cond:
             model = self.require_model(digest)  # NotPrimary first on a copy that must not serve
             if grad.shape != (model.numel,):
@@ -263,20 +306,34 @@ class Shard:
                 # round is open, else this one.
                 return self.version + self.policy.pending(worker_id), False
             model.tables.check_room(rows)
-            self._round_pushes.append((worker_id, step))  # logged with the update that applies it
+            key = (worker_id, step)
+            self._round_pushes.append(key)  # logged with the update that applies it
+            if forward is not None:
+                self._round_forwards[key] = forward
             try:
                 self.policy.submit(self, worker_id, base_version, torch.from_numpy(grad), lent=lent, rows=rows)
             except StaleRound:
-                self._round_pushes.remove((worker_id, step))
+                self._forget(key)
                 self.stats.late_pushes += 1
                 raise
             except BaseException:
-                if (worker_id, step) in self._round_pushes:
-                    self._round_pushes.remove((worker_id, step))
+                self._forget(key)
                 raise
             self.applied.record(worker_id, step)
             self.metrics.pushed("applied")
             return self.version, True
+
+    def _forget(self, key: tuple[str, int]) -> None:
+        """Take a push out of the open round (its submit failed; the caller aborts its forward)."""
+        if key in self._round_pushes:
+            self._round_pushes.remove(key)
+        self._round_forwards.pop(key, None)
+
+    def _drop_round_forwards(self) -> None:
+        """The open round is dropped unapplied: the backup drops its forwarded pushes too."""
+        forwards, self._round_forwards = self._round_forwards, {}
+        for f in forwards.values():
+            f.abort()
 
     @staticmethod
     def check_step(step: int) -> None:
@@ -317,11 +374,24 @@ class Shard:
         # Logged (and handed to the backup) before it applies and before the version shows: no worker hears of a
         # version the log lacks.
         if self.checkpoints.wal is not None or self.replicator is not None:
-            parts = wal.encode(version, self._round_pushes, grad.numpy(), rows, wall)
+            pushes = self._round_pushes
+            parts = wal.encode(version, pushes, grad.numpy(), rows, wall)
             self.checkpoints.log(version, parts)
             if self.replicator is not None:
-                self.replicator.send(version, parts)
+                # The backup has every push of this update already (or is receiving them): name them, so only
+                # the record's head and rows travel now. Their mean is what a round applies (see SyncPolicy).
+                forwards = [self._round_forwards.get(p) for p in pushes]
+                named = [f for f in forwards if f is not None]
+                if (
+                    not pushes
+                    or len(named) != len(forwards)
+                    or not self.replicator.send_forwarded(
+                        version, named, wal.encode(version, pushes, _NO_GRAD, rows, wall)
+                    )
+                ):
+                    self.replicator.send(version, parts)
         self._round_pushes = []
+        self._round_forwards = {}
         model.step(grad, self.config.lr_at(version))
         if model.tables:
             model.tables.apply(rows, version, wall)

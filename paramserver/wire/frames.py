@@ -185,13 +185,23 @@ def recv_raw(sock: socket.socket, targets: Sequence[np.ndarray]) -> None:
             views[first] = views[first][got:]
 
 
-def recv_arrays(sock: socket.socket, targets: Sequence[np.ndarray], dtype: int) -> None:
+def recv_arrays(
+    sock: socket.socket, targets: Sequence[np.ndarray], dtype: int, progress: Callable[[int], object] | None = None
+) -> None:
     """Receive a payload in `dtype` into float32 targets, in order: float32 straight into their memory, half types
-    through a 1 MiB buffer."""
+    through a 1 MiB buffer. `progress(n)`: told as the first n bytes of the targets (back to back, float32) are
+    written, every CHUNK_BYTES or so."""
+    done = 0
     if dtype == FLOAT32:
         for t in targets:
-            if len(t) and not recv_into(sock, t.data.cast("B")):
-                raise ConnectionError("payload cut off")
+            view = t.data.cast("B")
+            step = len(view) if progress is None else 4 * CHUNK_BYTES
+            for off in range(0, len(view), step):
+                if not recv_into(sock, view[off : off + step]):
+                    raise ConnectionError("payload cut off")
+                done += min(step, len(view) - off)
+                if progress is not None:
+                    progress(done)
         return
     size = itemsize(dtype)
     buf = memoryview(bytearray(CHUNK_BYTES))
@@ -202,6 +212,9 @@ def recv_arrays(sock: socket.socket, targets: Sequence[np.ndarray], dtype: int) 
             if not recv_into(sock, buf[: n * size]):
                 raise ConnectionError("payload cut off")
             decode_into(t[off : off + n], buf[: n * size], dtype)
+            done += 4 * n
+            if progress is not None:
+                progress(done)
 
 
 def _discard(sock: socket.socket, n: int) -> None:
@@ -261,10 +274,17 @@ class Payload:
             time.sleep(min(nap, left))
             nap = min(2 * nap, 0.05)
 
-    def read_into(self, targets: Sequence[np.ndarray], dtype: int, raw: Sequence[np.ndarray] = ()) -> None:
+    def read_into(
+        self,
+        targets: Sequence[np.ndarray],
+        dtype: int,
+        raw: Sequence[np.ndarray] = (),
+        progress: Callable[[int], object] | None = None,
+    ) -> None:
         """Receive the payload into float32 targets (then into the `raw` arrays, as they are) and check the frame's
         end; MalformedStream (nothing read) unless the payload is their size, ConnectionError if the end does not
-        match (the stream is out of step: the targets then hold bytes that must not be used)."""
+        match (the stream is out of step: the targets then hold bytes that must not be used). `progress`: see
+        `recv_arrays`."""
         expected = payload_bytes(targets, dtype, raw)
         if self.size != expected:
             raise MalformedStream(
@@ -274,7 +294,7 @@ class Payload:
         if self._read:  # an empty payload, whose end was checked already (`finish`)
             return
         self._read = True
-        recv_arrays(self._sock, targets, dtype)
+        recv_arrays(self._sock, targets, dtype, progress)
         recv_raw(self._sock, raw)
         self._ended()
 
