@@ -77,7 +77,7 @@ def test_a_shard_dropped_without_closing_comes_back_in_the_state_it_acknowledged
     first = _start(config)
     for step in range(1, 8):
         assert _push(first, step) == (step, True)
-        first.wait_durable("w", 10.0)  # what the exchange handler waits for before it answers
+        first.wait_durable(first.durable_target("w"), 10.0)  # what the exchange handler waits for before it answers
     saved, version = _state(first), first.version
     # No close(): no final checkpoint, nothing flushed by the shard; only what the kernel holds survives. (Its
     # writer finishes the checkpoints it was handed first: a killed process's would stop, but this one shares the

@@ -168,7 +168,7 @@ class Leader:
                 f.abort()
             return False
         head = APPLY + _U32.pack(len(ours)) + b"".join(_U64.pack(f.id) for f in ours)
-        if not box.post([head, *parts]):
+        if not box.post([head, *parts], needs=ours):
             return False
         box.settle(ours)
         self._sent_update(version, sum(f.nbytes for f in ours) + sum(len(p) for p in parts))

@@ -1,12 +1,13 @@
-"""What a primary writes to its live backup, in order, from one sender thread: pushes forwarded while they arrive,
-then the small records that apply them, whole records, heartbeats (paramserver.server.replica_leader).
+"""What a primary writes to its live backup, from one sender thread: pushes forwarded while they arrive, the
+records that apply them, whole records, heartbeats (paramserver.server.replica_leader).
 
 Why a thread of its own: the backup should receive a push while the primary receives it (from a data socket) or
-while it applies it and writes the pull (from shared memory), as chain replication forwards while it receives,
-instead of after the update applied. So a push's bytes are queued as a `Forward` the moment they are known to be
-final and sent by this thread as they become so; the record that applies them follows them on the same connection,
-so the backup always has a push whole before the record naming it. Everything the link carries goes through this
-one queue, so the order on the wire is the order things were queued in.
+while it checks and applies it and writes the pull (from shared memory), as chain replication forwards while it
+receives, instead of after the update applied. A push's bytes are queued as a `Forward` the moment the exchange
+starts and sent piece by piece as they become final; messages (records, drops, heartbeats) go out in the order
+they were posted, each once the forwarded pushes it names are whole on the wire, so the backup always holds a
+push before the record naming it. Between messages, the pieces of all pushes in flight take turns: a push arriving
+slowly over one worker's link holds up neither another worker's push nor the records.
 
 A forwarded push's bytes are read from where they lie (a scratch buffer, a worker's shared-memory segment) until
 `Forward.wait_sent` says they are on their way (in the kernel's buffer); whoever owns that memory waits for it
@@ -44,6 +45,11 @@ class Forward:
     def nbytes(self) -> int:
         return len(self.data)
 
+    @property
+    def whole(self) -> bool:
+        """Every byte is on the wire."""
+        return self.sent == len(self.data) and not self.aborted
+
     def advance(self, ready: int) -> None:
         """Bytes [0, ready) hold their final values (the receiver calls this as a push arrives)."""
         with self.outbox.cond:
@@ -60,7 +66,7 @@ class Forward:
         link failed first (the backup is then dropped and takes the whole state again)."""
         with self.outbox.cond:
             self.outbox.cond.wait_for(lambda: self.finished)
-            return not self.aborted and self.sent == len(self.data)
+            return self.whole
 
     def abort(self) -> None:
         """The push will not apply (refused, a retry of one applied before, its round dropped): stop sending it,
@@ -77,15 +83,15 @@ class Forward:
                 if self.sent and not box.failed and not box.closed:
                     box.queue_drop(self.id)
                 return
-            if not self.sending and not self.sent:  # the sender has not reached it: it skips it
-                self.finished = True
+            if not self.sending and not self.sent:  # the sender has not reached it: it is skipped
+                box.retire(self)
             box.cond.notify_all()
             box.cond.wait_for(lambda: self.finished)
 
 
 class Outbox:
     """The sender thread of one live backup connection. `on_fail(why)` is called (once, from the sender) when a
-    write fails; from then on everything queued is dropped and every waiter released."""
+    write fails; from then on nothing more is sent and every waiter is released."""
 
     def __init__(
         self, sock: socket.socket, tags: tuple[bytes, bytes], timeout: float, on_fail: Callable[[str], None]
@@ -95,7 +101,8 @@ class Outbox:
         self._part_tag, self._drop_tag = tags
         self._timeout = timeout
         self._on_fail = on_fail
-        self._queue: collections.deque[Forward | _Message] = collections.deque()
+        self._messages: collections.deque[_Message] = collections.deque()
+        self._forwards: list[Forward] = []  # unfinished, in turn order
         self._next_id = 0
         self.outstanding = 0  # forwarded pushes the backup holds for a record to name
         self.failed = ""
@@ -112,18 +119,19 @@ class Outbox:
             self.outstanding += 1
             self._next_id += 1
             fwd = Forward(self, self._next_id, data)
-            self._queue.append(fwd)
+            self._forwards.append(fwd)
             self.cond.notify_all()
             return fwd
 
-    def post(self, parts: Sequence[memoryview | bytes], wait: bool = False) -> bool:
-        """Queue one message (its buffers in order; copied unless `wait`, which returns once it is written).
-        False where the link failed (before it was written, when waiting)."""
-        message = _Message(list(parts) if wait else [b"".join(bytes(p) for p in parts)])
+    def post(self, parts: Sequence[memoryview | bytes], wait: bool = False, needs: Sequence[Forward] = ()) -> bool:
+        """Queue one message (its buffers in order; copied unless `wait`, which returns once it is written), to go
+        out once the forwarded pushes it `needs` are whole on the wire. False where the link failed (before it
+        was written, when waiting)."""
+        message = _Message(list(parts) if wait else [b"".join(bytes(p) for p in parts)], needs)
         with self.cond:
             if self.failed or self.closed:
                 return False
-            self._queue.append(message)
+            self._messages.append(message)
             self.cond.notify_all()
             if wait:
                 self.cond.wait_for(lambda: message.done)
@@ -131,8 +139,15 @@ class Outbox:
             return True
 
     def queue_drop(self, ident: int) -> None:
-        """Tell the backup to drop a forwarded push it holds (under `cond`)."""
-        self._queue.append(_Message([self._drop_tag + _ID.pack(ident)]))
+        """Tell the backup to drop a forwarded push it holds whole (under `cond`)."""
+        self._messages.append(_Message([self._drop_tag + _ID.pack(ident)]))
+        self.cond.notify_all()
+
+    def retire(self, fwd: Forward) -> None:
+        """The sender is done with `fwd` (under `cond`)."""
+        fwd.finished = True
+        if fwd in self._forwards:
+            self._forwards.remove(fwd)
         self.cond.notify_all()
 
     def settle(self, forwards: Sequence[Forward]) -> None:
@@ -144,8 +159,8 @@ class Outbox:
                     self.outstanding -= 1
 
     def close(self) -> None:
-        """Stop the sender (the connection is being dropped and closed, which ends a write in progress):
-        everything queued is dropped and its waiters released."""
+        """Stop the sender (the connection is being dropped and closed, which ends a write in progress): nothing
+        more is sent, and every waiter is released."""
         with self.cond:
             self.closed = True
             self.cond.notify_all()
@@ -156,19 +171,22 @@ class Outbox:
         try:
             while True:
                 with self.cond:
-                    self.cond.wait_for(lambda: self.closed or bool(self._queue))
+                    self.cond.wait_for(lambda: self.closed or self._next() is not None)
                     if self.closed:
                         break
-                    item = self._queue[0]
-                if isinstance(item, Forward):
-                    self._send_forward(item)
-                else:
+                    item = self._next()
+                    assert item is not None
+                    if isinstance(item, _Message):
+                        if any(not f.whole for f in item.needs):
+                            raise OSError("a record names a forwarded push that was dropped")
+                        self._messages.popleft()
+                if isinstance(item, _Message):
                     self._send(item.parts)
                     with self.cond:
                         item.done = item.written = True
-                with self.cond:
-                    self._queue.popleft()
-                    self.cond.notify_all()
+                        self.cond.notify_all()
+                else:
+                    self._serve(item)
         except OSError as exc:
             with self.cond:
                 self.failed = str(exc) or type(exc).__name__
@@ -176,41 +194,49 @@ class Outbox:
         finally:
             with self.cond:
                 self.failed = self.failed or "the link was closed"
-                for item in self._queue:
-                    if isinstance(item, Forward):
-                        item.finished = True
-                    else:
-                        item.done = True
-                self._queue.clear()
+                for fwd in list(self._forwards):
+                    self.retire(fwd)
+                for message in self._messages:
+                    message.done = True
+                self._messages.clear()
                 self.cond.notify_all()
 
-    def _send_forward(self, fwd: Forward) -> None:
-        while True:
-            with self.cond:
-                self.cond.wait_for(lambda: self.closed or fwd.aborted or fwd.ready > fwd.sent)
-                if self.closed:
-                    raise OSError("the link was closed")
-                if fwd.finished:  # aborted before it started
-                    return
-                if fwd.aborted:
-                    break
+    def _next(self) -> _Message | Forward | None:
+        """What to send next (under `cond`): the first message once what it names is on the wire; else a piece of
+        a push with bytes ready (one the first message waits for, else whichever's turn it is)."""
+        head = self._messages[0] if self._messages else None
+        if head is not None and all(f.finished for f in head.needs):
+            return head
+        for fwd in [*(head.needs if head is not None else ()), *self._forwards]:
+            if not fwd.finished and (fwd.aborted or fwd.ready > fwd.sent):
+                return fwd
+        return None
+
+    def _serve(self, fwd: Forward) -> None:
+        """Send the next piece of `fwd`, or, aborted, tell the backup to drop what it has of it."""
+        with self.cond:
+            aborting = fwd.aborted
+            if not aborting:
                 start, end = fwd.sent, min(fwd.ready, fwd.sent + CHUNK)
                 fwd.sending = True
-            try:
-                self._send([self._part_tag + _PART.pack(fwd.id, start, end - start), fwd.data[start:end]])
-            finally:
-                with self.cond:
-                    fwd.sending = False
+        if aborting:
+            if fwd.sent:  # the backup holds part of it: tell it to drop that
+                self._send([self._drop_tag + _ID.pack(fwd.id)])
             with self.cond:
-                fwd.sent = end
-                if end == len(fwd.data):
-                    fwd.finished = True
-                    self.cond.notify_all()
-                    return
-        if fwd.sent:  # the backup holds part of it: tell it to drop that
-            self._send([self._drop_tag + _ID.pack(fwd.id)])
+                self.retire(fwd)
+            return
+        try:
+            self._send([self._part_tag + _PART.pack(fwd.id, start, end - start), fwd.data[start:end]])
+        finally:
+            with self.cond:
+                fwd.sending = False
         with self.cond:
-            fwd.finished = True
+            fwd.sent = end
+            if end == len(fwd.data):
+                self.retire(fwd)
+            elif fwd in self._forwards:  # its turn is over: the others' pieces go next
+                self._forwards.remove(fwd)
+                self._forwards.append(fwd)
             self.cond.notify_all()
 
     def _send(self, parts: Sequence[memoryview | bytes]) -> None:
@@ -226,7 +252,8 @@ class Outbox:
 
 
 class _Message:
-    def __init__(self, parts: list[memoryview | bytes]) -> None:
+    def __init__(self, parts: list[memoryview | bytes], needs: Sequence[Forward] = ()) -> None:
         self.parts = parts
+        self.needs = list(needs)
         self.done = False
         self.written = False
