@@ -32,8 +32,9 @@ import numpy as np
 from paramserver.errors import MalformedStream, PSError
 from paramserver.shard import reads
 from paramserver.shard.model import ShardModel
+from paramserver.shard.replicator import Forwarded
 from paramserver.shard.sparse import RowBlock, SparseIn
-from paramserver.shard.state import Forwarded, Shard
+from paramserver.shard.state import Shard
 from paramserver.transport import shm
 from paramserver.v1 import ps_pb2
 from paramserver.wire import compression

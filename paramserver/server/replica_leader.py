@@ -45,7 +45,8 @@ from paramserver.server.replica_stream import (
     send_message,
 )
 from paramserver.shard import checkpoint
-from paramserver.shard.state import Forwarded, Shard
+from paramserver.shard.replicator import Forwarded
+from paramserver.shard.state import Shard
 from paramserver.transport.tcp import keep_alive
 
 log = logging.getLogger(__name__)

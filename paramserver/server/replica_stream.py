@@ -42,7 +42,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from paramserver.config import ServerConfig
 from paramserver.coord import CoordinatorUnavailable, PartConfig, PartRegister
@@ -128,7 +127,7 @@ class Follower:
         self._stop = stop
         self._set_ready = set_ready
         self._rx = memoryview(b"")  # the receive buffer for updates
-        self._pushes = _Forwarded(shard)
+        self._pushes = standby.HeldPushes(shard, MAX_FORWARDS)
         self.damaged = False
 
     def _who(self) -> tuple[int, int]:
@@ -214,7 +213,8 @@ class Follower:
                     self._receive_record(sock)
                     continue  # answered as soon as it arrived whole, before it applied
                 elif kind == FORWARD:
-                    self._pushes.receive(sock)
+                    ident, offset, n = _PART.unpack(recv_exact(sock, _PART.size))
+                    self._pushes.receive(ident, offset, n, lambda view: recv_exact(sock, len(view), view))
                     continue
                 elif kind == DROP:
                     self._pushes.drop(_U64.unpack(recv_exact(sock, _U64.size))[0])
@@ -317,60 +317,3 @@ class Follower:
             raise ValueError(f"an update from the primary does not apply here: {exc}") from None
         finally:
             self._pushes.release(ids)
-
-
-class _Forwarded:
-    """The pushes a primary forwarded while they arrived, held until the update naming them applies: one buffer of
-    the model's size each (reused), filled piece by piece in order."""
-
-    def __init__(self, shard: Shard) -> None:
-        self.shard = shard
-        self._held: dict[int, tuple[np.ndarray, int]] = {}  # id -> (buffer, bytes received)
-        self._free: list[np.ndarray] = []
-
-    def clear(self) -> None:
-        for ident in list(self._held):
-            self.drop(ident)
-
-    def receive(self, sock: socket.socket) -> None:
-        ident, offset, n = _PART.unpack(recv_exact(sock, _PART.size))
-        if ident not in self._held:
-            model = self.shard.model
-            if model is None:
-                raise ValueError("a forwarded push before the state it applies to")
-            if len(self._held) >= MAX_FORWARDS:
-                raise ValueError(f"more than {MAX_FORWARDS} forwarded pushes held at once")
-            buf = self._free.pop() if self._free and self._free[-1].size == model.numel else None
-            self._held[ident] = (buf if buf is not None else np.empty(model.numel, np.float32), 0)
-        buf, got = self._held[ident]
-        view = buf.data.cast("B")
-        if offset != got or offset + n > len(view):
-            raise ValueError(f"a piece [{offset}, {offset + n}) of forwarded push {ident}, which has {got} bytes")
-        recv_exact(sock, n, view[offset : offset + n])
-        self._held[ident] = (buf, got + n)
-
-    def drop(self, ident: int) -> None:
-        held = self._held.pop(ident, None)
-        if held is not None and len(self._free) < 4:  # kept for the next pushes: a fresh one faults in its pages
-            self._free.append(held[0])
-
-    def combine(self, ids: list[int]) -> np.ndarray:
-        """The pushes' mean, computed as the primary's round computed it (SyncPolicy: the first, plus each other in
-        order, divided by their count), so the two copies apply bit-identical gradients."""
-        bufs = []
-        for ident in ids:
-            buf, got = self._held.get(ident, (None, 0))
-            if buf is None or got != buf.nbytes:
-                raise ValueError(f"an update names forwarded push {ident}, which is not here whole")
-            bufs.append(buf)
-        if len(bufs) == 1:
-            return bufs[0]
-        total = torch.from_numpy(bufs[0])
-        for buf in bufs[1:]:
-            total.add_(torch.from_numpy(buf))
-        total.div_(len(bufs))
-        return bufs[0]
-
-    def release(self, ids: list[int]) -> None:
-        for ident in ids:
-            self.drop(ident)

@@ -1,13 +1,17 @@
 """A replicated shard's copy as paramserver.server.replica drives it: taking the primary's whole state, applying the
-updates it streams (each logged first), standing by (workers refused with NotPrimary) and taking over.
+updates it streams (each logged first) and holding the pushes it forwards until an update names them, standing by
+(workers refused with NotPrimary) and taking over.
 
 Functions of the Shard they act on, under its lock: the replication link owns when each happens; the shard owns
 its state."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
 
 from paramserver.shard import persistence, wal
 from paramserver.shard.checkpoint import Snapshot
@@ -67,3 +71,65 @@ def take_over(shard: Shard, complete: bool) -> None:
             shard.policy.reset(shard.model.numel)
         shard.standby = ""
         shard.lock.notify_all()
+
+
+class HeldPushes:
+    """The pushes a primary forwarded while they arrived, held until the update naming them applies: one buffer of
+    the model's size each (reused), filled piece by piece in order."""
+
+    def __init__(self, shard: Shard, limit: int) -> None:
+        self.shard = shard
+        self.limit = limit
+        self._held: dict[int, tuple[np.ndarray, int]] = {}  # id -> (buffer, bytes received)
+        self._free: list[np.ndarray] = []
+
+    def clear(self) -> None:
+        """Drop every held push (a new connection: ids are the connection's)."""
+        for ident in list(self._held):
+            self.drop(ident)
+
+    def receive(self, ident: int, offset: int, n: int, read_into: Callable[[memoryview], object]) -> None:
+        """Take bytes [offset, offset + n) of forwarded push `ident` (pieces come in order), read by `read_into`
+        straight into its buffer; ValueError for a piece out of step or a push past the limit."""
+        if ident not in self._held:
+            model = self.shard.model
+            if model is None:
+                raise ValueError("a forwarded push before the state it applies to")
+            if len(self._held) >= self.limit:
+                raise ValueError(f"more than {self.limit} forwarded pushes held at once")
+            buf = self._free.pop() if self._free and self._free[-1].size == model.numel else None
+            self._held[ident] = (buf if buf is not None else np.empty(model.numel, np.float32), 0)
+        buf, got = self._held[ident]
+        view = buf.data.cast("B")
+        if offset != got or offset + n > len(view):
+            raise ValueError(f"a piece [{offset}, {offset + n}) of forwarded push {ident}, which has {got} bytes")
+        read_into(view[offset : offset + n])
+        self._held[ident] = (buf, got + n)
+
+    def drop(self, ident: int) -> None:
+        """Let go of a push (dropped by the primary, or applied); its buffer serves the next one."""
+        held = self._held.pop(ident, None)
+        if held is not None and len(self._free) < 4:  # kept for the next pushes: a fresh one faults in its pages
+            self._free.append(held[0])
+
+    def combine(self, ids: list[int]) -> np.ndarray:
+        """The pushes' mean, computed as the primary's round computed it (SyncPolicy: the first, plus each other in
+        order, divided by their count), so the two copies apply bit-identical gradients."""
+        bufs = []
+        for ident in ids:
+            buf, got = self._held.get(ident, (None, 0))
+            if buf is None or got != buf.nbytes:
+                raise ValueError(f"an update names forwarded push {ident}, which is not here whole")
+            bufs.append(buf)
+        if len(bufs) == 1:
+            return bufs[0]
+        total = torch.from_numpy(bufs[0])
+        for buf in bufs[1:]:
+            total.add_(torch.from_numpy(buf))
+        total.div_(len(bufs))
+        return bufs[0]
+
+    def release(self, ids: list[int]) -> None:
+        """Let go of the pushes an update applied."""
+        for ident in ids:
+            self.drop(ident)
