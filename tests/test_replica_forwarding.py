@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,6 +41,18 @@ def _same_state(primary: Shard, backup: Shard) -> None:
         time.sleep(0.01)
     assert backup.version == primary.version
     assert primary.state_bytes() == backup.state_bytes(), "the copies' weights or optimizer state differ"
+
+
+def _same_dense(primary: Shard, backup: Shard) -> None:
+    """The version, the weights and the optimizer's state are byte-identical (the rows aside)."""
+    deadline = time.monotonic() + 20
+    while backup.version < primary.version and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert backup.version == primary.version
+    assert primary.model is not None and backup.model is not None
+    assert primary.model.params.numpy().tobytes() == backup.model.params.numpy().tobytes()
+    for a, b in zip(primary.model.optimizer.state.values(), backup.model.optimizer.state.values(), strict=True):
+        assert {k: v.numpy().tobytes() for k, v in a.items()} == {k: v.numpy().tobytes() for k, v in b.items()}
 
 
 def _model() -> torch.nn.Module:
@@ -100,6 +113,41 @@ def test_a_backup_of_forwarded_sync_rounds_is_byte_identical(
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_shard_with_rows_alone_replicates_them(ps_etcd: str, ps_cluster_factory: Callable[..., LocalCluster]) -> None:
+    """A model whose dense part (one element) lies on shard 0: shard 1's exchanges carry rows alone, nothing to
+    forward, and its updates go whole; both shards' backups end identical to their primaries."""
+    from worker import SparseEmbedding
+
+    class Users(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(1))
+            self.user = SparseEmbedding(dim=4, init="uniform", init_scale=0.1, seed=3)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.user(ids).sum(1) + self.bias
+
+    config = ServerConfig(mode="sync", workers=1, optimizer="adam", lr=0.01, replicas=2, coordinator=ps_etcd)
+    cluster = ps_cluster_factory(config, 2)
+    model = Users()
+    with PSClient(cluster.address, shared_memory=False) as client:
+        client.register(model)
+        copies = [_copies(cluster, s) for s in range(2)]
+        for step in range(4):
+            model(torch.arange(step * 16, step * 16 + 32)).pow(2).sum().backward()
+            client.push_pull(model)
+    for primary, backup in copies:
+        _same_dense(primary, backup)
+        assert primary.version == 4
+        for ours, theirs in zip(primary.model.tables.tables, backup.model.tables.tables, strict=True):
+            a, b = ours.group.state(ours.tag), theirs.group.state(theirs.tag)
+            # Each copy keeps the rows' update times on its own clock (for age-based eviction): all else is equal.
+            assert a.keys() == b.keys() and a["ids"].size > 0
+            for key in a.keys() - {"times"}:
+                np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    assert _sent(copies[0][0], "forwarded") == 4 and _sent(copies[1][0], "whole") == 4
 
 
 def test_refused_pushes_are_dropped_by_the_backup(

@@ -178,8 +178,12 @@ def test_every_transport_carries_rows(
             torch.testing.assert_close(model.fc.weight, local.fc.weight, atol=1e-5, rtol=1e-5)
 
 
-def test_unbounded_ids_of_any_int64_and_their_shards(ps_cluster_factory: Callable[..., object]) -> None:
-    """Hash-like IDs (negative, huge) work; each row lives on the shard shard_of names, and only there."""
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "data-socket"])
+def test_unbounded_ids_of_any_int64_and_their_shards(
+    ps_cluster_factory: Callable[..., object], shared_memory: bool
+) -> None:
+    """Hash-like IDs (negative, huge) work; each row lives on the shard shard_of names, and only there. Shard 1
+    holds none of the dense part (one element), so its exchanges carry rows alone."""
     cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="sgd", lr=0.5), shards=2)
 
     class Users(nn.Module):
@@ -193,7 +197,7 @@ def test_unbounded_ids_of_any_int64_and_their_shards(ps_cluster_factory: Callabl
 
     ids = torch.tensor([-(2**63), -1, 0, 7, 2**62 + 12345, 2**63 - 1])
     model = Users()
-    with PSClient(cluster.address) as client:  # type: ignore[attr-defined]
+    with PSClient(cluster.address, shared_memory=shared_memory) as client:  # type: ignore[attr-defined]
         client.register(model)
         model(ids).sum().backward()
         client.push_pull(model)

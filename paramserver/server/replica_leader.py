@@ -153,6 +153,8 @@ class Leader:
         """Start sending a push's bytes to a live backup as they become final (Replicator.forward); None where
         none is live, or as many pushes as the shard has scratch buffers (--max-concurrent-pushes) are
         held there already: the backup's memory for them is bounded as the primary's is."""
+        if not len(data):  # a part with no dense elements (rows only): its record is as small as a name
+            return None
         with self._cond:
             box = self._outbox if self._live and not self._failed else None
         return box.forward(data, self.config.max_concurrent_pushes) if box is not None else None

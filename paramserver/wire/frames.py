@@ -195,7 +195,7 @@ def recv_arrays(
     if dtype == FLOAT32:
         for t in targets:
             view = t.data.cast("B")
-            step = len(view) if progress is None else 4 * CHUNK_BYTES
+            step = max(1, len(view)) if progress is None else 4 * CHUNK_BYTES  # an empty target takes nothing
             for off in range(0, len(view), step):
                 if not recv_into(sock, view[off : off + step]):
                     raise ConnectionError("payload cut off")
