@@ -74,7 +74,7 @@ class Backup:
 def link() -> Iterator[tuple[Outbox, Backup, list[str]]]:
     a, b = socket.socketpair()
     failures: list[str] = []
-    box = Outbox(a, (PART, DROP), timeout=5.0, on_fail=failures.append)
+    box = Outbox(a, timeout=5.0, on_fail=failures.append)
     backup = Backup(b)
     try:
         yield box, backup, failures

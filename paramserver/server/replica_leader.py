@@ -31,8 +31,6 @@ from paramserver.server.replica_stream import (
     _U64,
     APPLY,
     DONE,
-    DROP,
-    FORWARD,
     HEARTBEAT,
     IN_SYNC,
     MAX_HELLO,
@@ -285,9 +283,7 @@ class Leader:
                 if ident != self._backup_id or self._failed:
                     return
                 if not self._queue:
-                    self._outbox = Outbox(
-                        conn, (FORWARD, DROP), self.timeout, lambda why: self._sender_failed(ident, why)
-                    )
+                    self._outbox = Outbox(conn, self.timeout, lambda why: self._sender_failed(ident, why))
                     self._live = True
                     self._heard = time.monotonic()
                     self._need_acks = True  # from now on an acknowledgement waits for the backup

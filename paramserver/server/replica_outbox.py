@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import collections
 import socket
-import struct
 import threading
 from collections.abc import Callable, Sequence
 
-_PART = struct.Struct("<QQI")  # forward id, offset, bytes
-_ID = struct.Struct("<Q")
+from paramserver.server.replica_stream import _PART, _U64, DROP, FORWARD
+
 CHUNK = 4 << 20  # a forwarded push goes out in pieces of at most this many bytes, as they become final
 
 
@@ -93,12 +92,9 @@ class Outbox:
     """The sender thread of one live backup connection. `on_fail(why)` is called (once, from the sender) when a
     write fails; from then on nothing more is sent and every waiter is released."""
 
-    def __init__(
-        self, sock: socket.socket, tags: tuple[bytes, bytes], timeout: float, on_fail: Callable[[str], None]
-    ) -> None:
+    def __init__(self, sock: socket.socket, timeout: float, on_fail: Callable[[str], None]) -> None:
         self.cond = threading.Condition()
         self._sock = sock
-        self._part_tag, self._drop_tag = tags
         self._timeout = timeout
         self._on_fail = on_fail
         self._messages: collections.deque[_Message] = collections.deque()
@@ -140,7 +136,7 @@ class Outbox:
 
     def queue_drop(self, ident: int) -> None:
         """Tell the backup to drop a forwarded push it holds whole (under `cond`)."""
-        self._messages.append(_Message([self._drop_tag + _ID.pack(ident)]))
+        self._messages.append(_Message([DROP + _U64.pack(ident)]))
         self.cond.notify_all()
 
     def retire(self, fwd: Forward) -> None:
@@ -221,12 +217,12 @@ class Outbox:
                 fwd.sending = True
         if aborting:
             if fwd.sent:  # the backup holds part of it: tell it to drop that
-                self._send([self._drop_tag + _ID.pack(fwd.id)])
+                self._send([DROP + _U64.pack(fwd.id)])
             with self.cond:
                 self.retire(fwd)
             return
         try:
-            self._send([self._part_tag + _PART.pack(fwd.id, start, end - start), fwd.data[start:end]])
+            self._send([FORWARD + _PART.pack(fwd.id, start, end - start), fwd.data[start:end]])
         finally:
             with self.cond:
                 fwd.sending = False
