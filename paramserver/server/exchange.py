@@ -128,12 +128,15 @@ class SegmentGradient(GradientSource):
 
 class PayloadGradient(GradientSource):
     """A data-socket frame's payload: the pieces back to back in the request's dtype, then the raw arrays of the
-    exchange's rows and lookup IDs (`raw`, filled in the same read)."""
+    exchange's rows and lookup IDs (`raw`, filled in the same read). `last_first`: the pieces come last first (a
+    worker sending each layer's gradient as backward makes it); the backup is then forwarded the push once it is
+    all in, not as it arrives (a forward goes from the front of the buffer)."""
 
-    def __init__(self, payload: Payload, dtype: int, raw: Sequence[np.ndarray] = ()) -> None:
+    def __init__(self, payload: Payload, dtype: int, raw: Sequence[np.ndarray] = (), last_first: bool = False) -> None:
         self._payload = payload
         self._dtype = dtype
         self._raw = raw
+        self._last_first = last_first
 
     @property
     def nbytes(self) -> int:
@@ -143,7 +146,10 @@ class PayloadGradient(GradientSource):
         self._payload.wait_arrival()  # a stalled small push then holds no scratch buffer
 
     def fill(self, model: ShardModel, grad: np.ndarray, progress: Progress | None = None) -> None:
-        self._payload.read_into([grad], self._dtype, self._raw, progress.advance if progress is not None else None)
+        if self._last_first:
+            self._payload.read_into(model.views(grad)[::-1], self._dtype, self._raw)
+        else:
+            self._payload.read_into([grad], self._dtype, self._raw, progress.advance if progress is not None else None)
         check_finite(model.views(grad), model.labels)
 
 

@@ -61,9 +61,17 @@ class FrameService:
         compressed = request.HasField("compression")
         if compressed and not request.push:
             raise MalformedStream("compression describes a pushed gradient: set push, or leave compression unset")
+        if request.last_piece_first and (compressed or not request.push):
+            raise MalformedStream(
+                "last_piece_first orders an uncompressed pushed gradient: set push and leave compression unset, or "
+                "leave last_piece_first unset"
+            )
         if isinstance(attached, shm.Segment):
-            if compressed:
-                raise MalformedStream("a compressed push travels on the data socket; a segment holds the part whole")
+            if compressed or request.last_piece_first:
+                raise MalformedStream(
+                    "compression and last_piece_first describe a data socket's payload; a segment holds the part "
+                    "whole, in piece order"
+                )
             # The dense part travels in the segment; the payload holds the rows and IDs alone.
             payload.read_into([], FLOAT32, sparse.targets())
             source, sink = segment_route(attached, request, model)
@@ -73,7 +81,7 @@ class FrameService:
         if compressed:
             source = CompressedGradient(payload, dtype, request.compression, sparse.targets())
         elif request.push:
-            source = PayloadGradient(payload, dtype, sparse.targets())
+            source = PayloadGradient(payload, dtype, sparse.targets(), last_first=request.last_piece_first)
         else:
             if payload.size != sparse.nbytes:
                 raise MalformedStream(

@@ -302,8 +302,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Exchange(self, request: ps_pb2.ExchangeRequest, context: grpc.ServicerContext) -> ps_pb2.ExchangeResponse:
         with rpc_errors(context, "Exchange", self.handler.rejected):
             model = self.handler.model(request.model_digest)
-            if request.HasField("compression"):
-                raise MalformedStream("a compressed push travels on a data socket, not in a gRPC Exchange")
+            if request.HasField("compression") or request.last_piece_first:
+                raise MalformedStream(
+                    "compression and last_piece_first describe a data socket's payload, not a gRPC Exchange's"
+                )
             if request.inline:
                 source, sink = self._inline_route(request, model)
             elif request.push or request.pull:

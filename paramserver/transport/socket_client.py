@@ -13,7 +13,7 @@ import sys
 import termios
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -35,6 +35,7 @@ from paramserver.wire.frames import (
     recv_exact,
     recv_raw,
     send_frame,
+    send_frame_as_ready,
 )
 
 DRAIN_POLL_S = 0.0005  # how often `drain` asks the kernel: a fraction of a 1 MB part's time on a 10 Gbit/s link
@@ -123,6 +124,15 @@ class FrameClient:
         body = request.SerializeToString()
         size = payload_bytes(arrays, dtype, raw)
         send_frame(self._sock, REQUEST.pack(len(body), timeout, size) + body, arrays, dtype, raw)
+
+    def send_as_ready(
+        self, request: ps_pb2.ExchangeRequest, timeout: float, arrays: Iterator[np.ndarray], size: int, dtype: int
+    ) -> None:
+        """`send` with the payload's float32 arrays (`size` bytes in `dtype`) taken from `arrays` as it yields them
+        (it may wait for each): see paramserver.wire.frames.send_frame_as_ready."""
+        self._sock.settimeout(timeout + 5.0)
+        body = request.SerializeToString()
+        send_frame_as_ready(self._sock, REQUEST.pack(len(body), timeout, size) + body, arrays, dtype, size)
 
     def drain(self, below: int, limit: float) -> None:
         """Wait until fewer than `below` bytes sent are still unacknowledged by the shard (see `drain`)."""

@@ -383,7 +383,7 @@ class AttachResponse(_message.Message):
     def __init__(self, doorbell: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
-    __slots__ = ("worker_id", "model_digest", "push", "step", "base_version", "pull", "min_version", "incarnation", "inline", "dtype", "chunks", "rows", "lookup", "compression")
+    __slots__ = ("worker_id", "model_digest", "push", "step", "base_version", "pull", "min_version", "incarnation", "inline", "dtype", "chunks", "rows", "lookup", "compression", "last_piece_first")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +398,7 @@ class ExchangeRequest(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_PIECE_FIRST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_digest: str
     push: bool
@@ -412,7 +413,8 @@ class ExchangeRequest(_message.Message):
     rows: _containers.RepeatedCompositeFieldContainer[Rows]
     lookup: _containers.RepeatedCompositeFieldContainer[Rows]
     compression: Compression
-    def __init__(self, worker_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., push: _Optional[bool] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., pull: _Optional[bool] = ..., min_version: _Optional[int] = ..., incarnation: _Optional[str] = ..., inline: _Optional[bool] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., rows: _Optional[_Iterable[_Union[Rows, _Mapping]]] = ..., lookup: _Optional[_Iterable[_Union[Rows, _Mapping]]] = ..., compression: _Optional[_Union[Compression, _Mapping]] = ...) -> None: ...
+    last_piece_first: bool
+    def __init__(self, worker_id: _Optional[str] = ..., model_digest: _Optional[str] = ..., push: _Optional[bool] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., pull: _Optional[bool] = ..., min_version: _Optional[int] = ..., incarnation: _Optional[str] = ..., inline: _Optional[bool] = ..., dtype: _Optional[_Union[DType, str]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., rows: _Optional[_Iterable[_Union[Rows, _Mapping]]] = ..., lookup: _Optional[_Iterable[_Union[Rows, _Mapping]]] = ..., compression: _Optional[_Union[Compression, _Mapping]] = ..., last_piece_first: _Optional[bool] = ...) -> None: ...
 
 class Compression(_message.Message):
     __slots__ = ("kind", "count", "rank")

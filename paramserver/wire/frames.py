@@ -23,7 +23,8 @@ cost more than the exchange.
 A payload is the shard's pieces back to back (see Placement), in the dtype the ExchangeRequest names: the gradient
 on a push, the weights on a pull's reply; then, raw, the arrays of the sparse rows the message names (a request's
 `rows`: each entry's int64 IDs then its float32 values; then each `lookup` entry's IDs; a reply's `rows`: each
-entry's float32 values). A shard refuses a payload of the wrong size (and reads it to the end, so
+entry's float32 values). A push may send the pieces last first (ExchangeRequest.last_piece_first), each as soon as
+backward has made it (`send_frame_as_ready`). A shard refuses a payload of the wrong size (and reads it to the end, so
 the connection stays in step); a frame it cannot parse ends the connection. A message with a field past its bound
 in ps.proto is refused INVALID_ARGUMENT (OutOfBounds): after a hello the connection then ends, after an Exchange it
 goes on.
@@ -32,6 +33,7 @@ goes on.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import select
 import socket
 import ssl
@@ -40,7 +42,7 @@ import sys
 import termios
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +141,22 @@ def send_frame(
         return
     parts = [memoryview(head), *(data for _, _, data in iter_chunks(arrays, dtype, CHUNK_BYTES)), *rows]
     _send_parts(sock, [*parts, memoryview(end)])
+
+
+def send_frame_as_ready(sock: socket.socket, head: bytes, arrays: Iterator[np.ndarray], dtype: int, size: int) -> None:
+    """Send a frame whose payload is `arrays` in `dtype` (`size` bytes in all, which `head` announces), each array
+    as `arrays` yields it: the head once the first is there, each array as soon as the one before is sent (a push
+    that sends each layer's gradient as backward makes it). A payload of another size is a bug: AssertionError,
+    the frame cut off."""
+    first = next(arrays, None)
+    sock.sendall(head)
+    sent = 0
+    if first is not None:
+        for array in itertools.chain([first], arrays):
+            send_arrays(sock, [array], dtype)
+            sent += len(array) * itemsize(dtype)
+    assert sent == size, f"a payload of {sent} bytes where its head announced {size}"
+    sock.sendall(end_of(head))
 
 
 def _send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:

@@ -131,20 +131,25 @@ class Binding:
         buffer's value, through the host mirror where that is not a contiguous CPU float32 tensor (a buffer's
         always: a copy of its value now)."""
         self.settle()
-        grads: list[np.ndarray] = []
-        for i, t in enumerate(self.tensors):
-            g = t.grad if of_module and not self.buffer[i] else t
-            if g is None:
-                g = torch.zeros_like(t)
-            mirror = self.host[i]
-            if mirror is not None or not g.is_contiguous() or g.device.type != "cpu":
-                if mirror is None:
-                    mirror = self.host[i] = torch.empty(t.numel(), dtype=torch.float32)
-                mirror.copy_(g.detach().reshape(-1))
-                grads.append(mirror.numpy())
-            else:
-                grads.append(g.detach().view(-1).numpy())
-        return grads
+        return [self.gradient(i, of_module) for i in range(len(self.tensors))]
+
+    def gradient(self, i: int, of_module: bool) -> np.ndarray:
+        """`gradients` of tensor i alone (the mirrors settled first: see `settle`)."""
+        t = self.tensors[i]
+        g = t.grad if of_module and not self.buffer[i] else t
+        if g is None:
+            g = torch.zeros_like(t)
+        mirror = self.host[i]
+        if mirror is not None or not g.is_contiguous() or g.device.type != "cpu":
+            if mirror is None:
+                mirror = self.host[i] = torch.empty(t.numel(), dtype=torch.float32)
+            mirror.copy_(g.detach().reshape(-1))
+            return mirror.numpy()
+        return g.detach().view(-1).numpy()
+
+    def index(self, name: str) -> int:
+        """The position of the tensor called `name` in `names`."""
+        return self._index[name]
 
 
 def buffers_of(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

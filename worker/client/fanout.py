@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -18,16 +19,30 @@ def _begin_and_wait(start: Callable[[ShardLink], Callable[[], T]], link: ShardLi
     return start(link)()
 
 
-def fan_out(links: Sequence[ShardLink], start: Callable[[ShardLink], Callable[[], T]]) -> list[T]:
+def fan_out(
+    links: Sequence[ShardLink],
+    start: Callable[[ShardLink], Callable[[], T]],
+    meanwhile: Callable[[], object] | None = None,
+) -> list[T]:
     """Run an operation on these shards at once: `start(link)` begins it and returns a function that waits for its
     result. A shard that fails is then retried on its own (see ShardLink.retry); the first failure that remains is
-    raised, once every shard has finished."""
+    raised, once every shard has finished. `meanwhile` runs in this thread once all have begun (backward, while
+    the pushes go): if it raises, that is raised once every shard has finished (or failed)."""
     waits: list[Callable[[], T] | PSError] = [PSError()] * len(links)
     for k in reversed(range(len(links))):  # shard 0 last: its wait may run in this thread
         try:
             waits[k] = links[k].call(functools.partial(start, links[k]))
         except PSError as exc:
             waits[k] = exc
+    if meanwhile is not None:
+        try:
+            meanwhile()
+        except BaseException:
+            for wait in waits:
+                if not isinstance(wait, PSError):
+                    with contextlib.suppress(Exception):
+                        wait()  # each ends soon: its push stops where backward did
+            raise
     results: list[T] = []
     error: PSError | None = None
     for link, wait in zip(links, waits, strict=True):

@@ -39,8 +39,9 @@ from paramserver.transport.socket_client import FrameClient, split_host
 from paramserver.v1 import ps_pb2
 from worker.client.binding import Binding
 from worker.client.compress import Compressor
-from worker.client.rows import given_rows
-from worker.client.transports import Answer, DataSocket, Grpc, Job, SharedMemory, SparseJob, Transport, Turns
+from worker.client.feed import GradientFeed
+from worker.client.rows import SparseJob, given_rows
+from worker.client.transports import Answer, DataSocket, Grpc, Job, SharedMemory, Transport, Turns
 
 log = logging.getLogger(__name__)
 
@@ -204,17 +205,19 @@ class ShardLink:
         flats: list[np.ndarray] | None,
         turns: Turns,
         sparse: SparseJob | None = None,
+        feed: GradientFeed | None = None,
     ) -> Callable[[], int]:
-        """Begin this shard's part of an exchange (with `sparse`: rows pushed with the gradient, rows looked up);
-        return what waits for it and returns the shard's version (of the weights pulled, else of the rows looked
-        up, else after the push)."""
+        """Begin this shard's part of an exchange (with `sparse`: rows pushed with the gradient, rows looked up;
+        with `feed` and no `grads`: the gradient as backward makes it, on the feed's threads); return what waits
+        for it and returns the shard's version (of the weights pulled, else of the rows looked up, else after the
+        push)."""
         try:
             transport = self._transport_for(b)
         except BaseException:
             turns.done(self.index)
             raise
         s = self._session
-        base, pushed, pulled = self.version, grads is not None, flats is not None
+        base, pushed, pulled = self.version, grads is not None or feed is not None, flats is not None
         request = ps_pb2.ExchangeRequest(
             worker_id=s.worker_id if s.joined else "",
             model_digest=b.digest,
@@ -226,14 +229,14 @@ class ShardLink:
             incarnation=self.incarnation,
             dtype=s.dtype,
         )
-        job = Job(request, b, self.index, self.address, grads, flats, turns, s.timeout, sparse)
-        if pushed and s.compressor is not None:
+        job = Job(request, b, self.index, self.address, grads, flats, turns, s.timeout, sparse, feed=feed)
+        if grads is not None and s.compressor is not None:
             compressor, k = s.compressor, self.index
             if transport.compresses:
                 job.compress = lambda views: compressor.encode(b, k, views, step, s.dtype)
             else:  # a retry that fell back from the data socket: the push goes whole, the remainder as it was
                 compressor.whole(b, k, b.views(k, grads) if grads is not None else [], step)
-        answer: Answer = transport.begin(job)
+        answer: Answer = transport.begin(job) if feed is None else feed.submit(transport.exchange_as_ready, job).result
 
         def finish() -> int:
             reply = answer()

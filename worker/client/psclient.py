@@ -13,6 +13,8 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Callable
+from concurrent import futures
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -30,12 +32,13 @@ from worker.client.binding import Binding, TensorDict, Tensors, tensors_of
 from worker.client.compress import Compressor, Scheme
 from worker.client.connect import connect_links
 from worker.client.fanout import each, fan_out
+from worker.client.feed import GradientFeed
 from worker.client.host_group import HostGroup
 from worker.client.link import Session, ShardLink
 from worker.client.membership import Membership
-from worker.client.rows import by_shard, row_jobs
+from worker.client.rows import SparseJob, TableRows, by_shard, row_jobs
 from worker.client.sparse import tables_of
-from worker.client.transports import INLINE_BYTES, NO_TURNS, SparseJob, TableRows, Turns
+from worker.client.transports import INLINE_BYTES, NO_TURNS, Turns
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +144,7 @@ class PSClient:
         self._connect_timeout = connect_timeout
         self._step = 0
         self._bindings: dict[int, Binding] = {}
+        self._feed_pool: futures.ThreadPoolExecutor | None = None  # exchanges that follow backward (push_pull)
         # One exchange or lookup on the links at a time: a forward pass's lookup waits for an exchange that another
         # thread runs (worker.train.overlap). Re-entrant: a failed exchange's caller may pull on the same thread.
         self._links_busy = threading.RLock()
@@ -306,7 +310,7 @@ class PSClient:
         deliver()
         return version
 
-    def push_pull(self, obj: Tensors, step: int | None = None) -> int:
+    def push_pull(self, obj: Tensors, step: int | None = None, *, backward: Callable[[], object] | None = None) -> int:
         """Push the gradient, then pull the weights that include it into `obj`: one exchange per shard, all
         shards at once (one shard's pull overlaps another's push). Returns the lowest shard version pulled.
 
@@ -316,13 +320,41 @@ class PSClient:
 
         A model's SparseEmbedding tables push the gradients of the rows their forward passes touched, and fetch
         the rows of the IDs named by their `prefetch` (the next batch's), read after this update applied.
+
+        `backward`: what runs this step's backward pass (its forward too, if it likes), called here while the
+        exchange goes: each shard's push sends first the gradients backward finishes first (the last layers'), each
+        as soon as it is final, as DDP's buckets do; the weights are written once it has returned. It must run one
+        backward pass and leave the gradients as it made them (worker/client/feed.py). Where a push cannot follow
+        backward (a mapping, a model with tables, a host group, compression, a part that fits one message), it runs
+        first and the exchange after it.
         """
         b = self._bind(obj)
+        if backward is not None:
+            if self._follows_backward(obj, b):
+                return self._exchange_following(b, backward, self._next_step(step))
+            backward()
         grads = b.gradients(isinstance(obj, torch.nn.Module))
         rows, deliver = row_jobs(b, len(self.links))
         version = self._exchange(b, grads=grads, step=self._next_step(step), pull=True, rows=rows)
         deliver()
         return version
+
+    def _follows_backward(self, obj: Tensors, b: Binding) -> bool:
+        """Whether an exchange of `obj` can start before its backward is over (see push_pull)."""
+        large = b.largest_part * itemsize(self.dtype) > INLINE_BYTES
+        plain = not b.tables and self.group is None and self.compressor is None
+        return isinstance(obj, torch.nn.Module) and plain and large
+
+    def _exchange_following(self, b: Binding, backward: Callable[[], object], step: int) -> int:
+        """push_pull with `backward` run meanwhile, each shard's push taking the gradients as they become final."""
+        with self._links_busy:
+            if self._feed_pool is None:
+                self._feed_pool = futures.ThreadPoolExecutor(len(self.links), thread_name_prefix="ps-feed")
+            feed = GradientFeed(b, self._feed_pool)
+            try:
+                return self._exchange_now(b, None, step, True, None, feed, lambda: feed.run(backward))
+            finally:
+                feed.close()  # already, unless the exchange failed before backward ran: its hooks go
 
     def _next_step(self, step: int | None) -> int:
         if step is None:
@@ -361,16 +393,21 @@ class PSClient:
         step: int,
         pull: bool,
         rows: list[SparseJob | None] | None,
+        feed: GradientFeed | None = None,
+        meanwhile: Callable[[], object] | None = None,
     ) -> int:
         flats = b.flats() if pull else None
         bases = self.versions
         large = b.largest_part * itemsize(self.dtype) > INLINE_BYTES
-        turns = Turns(len(self.links), self.timeout) if grads is not None and large else NO_TURNS
+        pushed = grads is not None or feed is not None
+        turns = Turns(len(self.links), self.timeout) if pushed and large else NO_TURNS
         sparse = rows or [None] * len(self.links)
         try:
-            versions = fan_out(self.links, lambda link: link.begin(b, grads, step, flats, turns, sparse[link.index]))
+            versions = fan_out(
+                self.links, lambda link: link.begin(b, grads, step, flats, turns, sparse[link.index], feed), meanwhile
+            )
         except PullTimeout:
-            if grads is not None:
+            if pushed:
                 # A shard waits to answer a pull only once it has taken the push (or found its round closed).
                 for link, base in zip(self.links, bases, strict=True):
                     link.pushed_without_answer(base)
@@ -394,6 +431,8 @@ class PSClient:
             self._session.closed = True  # after the leave, which may itself need a retry
             if self.links:
                 self._pool.shutdown(wait=True)
+            if self._feed_pool is not None:
+                self._feed_pool.shutdown(wait=True)
             for link in self.links:
                 link.close()
 

@@ -5,16 +5,84 @@ model's tables give the shards when they are first initialised (make_sparse's co
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from paramserver.errors import MalformedStream
 from paramserver.tables import shard_of
 from paramserver.v1 import ps_pb2
 from paramserver.wire.chunks import CHUNK_BYTES
 from worker.client.binding import Binding
 from worker.client.sparse import SparseEmbedding
-from worker.client.transports import SparseJob, TableRows
+
+
+@dataclass
+class TableRows:
+    """One table's rows in one shard's part of an exchange: pushed (`values`: the gradients) or looked up (`out`:
+    where the rows go)."""
+
+    table: int
+    ids: np.ndarray  # int64, unique
+    values: np.ndarray | None = None  # float32 [n, dim]: a push's row gradients
+    out: np.ndarray | None = None  # float32 [n, dim]: a lookup's answer
+
+
+@dataclass
+class SparseJob:
+    """The sparse part of one shard's exchange: the rows it pushes and the rows it looks up."""
+
+    rows: list[TableRows]
+    lookups: list[TableRows]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire both ways (to choose a transport's path by size)."""
+        pushed = sum(r.ids.nbytes + (r.values.nbytes if r.values is not None else 0) for r in self.rows)
+        looked = sum(r.ids.nbytes + (r.out.nbytes if r.out is not None else 0) for r in self.lookups)
+        return int(pushed + looked)
+
+    def entries(self, inline: bool) -> tuple[list[ps_pb2.Rows], list[ps_pb2.Rows]]:
+        """The request's `rows` and `lookup` entries: with their bytes (gRPC), or naming the payload's (frames)."""
+
+        def entry(r: TableRows, values: bool) -> ps_pb2.Rows:
+            e = ps_pb2.Rows(table=r.table, count=len(r.ids))
+            if inline:
+                e.ids = r.ids.tobytes()
+                if values and r.values is not None:
+                    e.values = r.values.tobytes()
+            return e
+
+        return [entry(r, True) for r in self.rows], [entry(r, False) for r in self.lookups]
+
+    def add_to(self, request: ps_pb2.ExchangeRequest, inline: bool) -> None:
+        rows, lookups = self.entries(inline)
+        request.rows.extend(rows)
+        request.lookup.extend(lookups)
+
+    def raw_out(self) -> list[np.ndarray]:
+        """What follows the dense payload of a request frame: each pushed table's IDs and values, then each looked
+        up table's IDs."""
+        out: list[np.ndarray] = []
+        for r in self.rows:
+            assert r.values is not None
+            out += [r.ids, r.values]
+        return out + [r.ids for r in self.lookups]
+
+    def raw_in(self) -> list[np.ndarray]:
+        """Where the looked-up rows after a reply frame's dense payload go."""
+        return [r.out for r in self.lookups if r.out is not None]
+
+    def take(self, reply: ps_pb2.ExchangeResponse, address: str) -> None:
+        """Copy the looked-up rows out of a gRPC reply."""
+        if len(reply.rows) != len(self.lookups):
+            raise MalformedStream(f"shard {address} answered {len(reply.rows)} lookups for {len(self.lookups)}")
+        for r, entry in zip(self.lookups, reply.rows, strict=True):
+            assert r.out is not None
+            if len(entry.values) != r.out.nbytes:
+                raise MalformedStream(f"shard {address} sent {len(entry.values)} bytes of rows for {r.out.nbytes}")
+            r.out.reshape(-1).view(np.uint8)[:] = np.frombuffer(entry.values, dtype=np.uint8)
 
 
 def by_shard(ids: np.ndarray, num_shards: int) -> list[np.ndarray | None]:

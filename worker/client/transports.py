@@ -13,6 +13,7 @@ of an exchange and returns what waits for the shard's ExchangeResponse.
 
 from __future__ import annotations
 
+import functools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
@@ -30,6 +31,8 @@ from paramserver.wire import codec
 from paramserver.wire.chunks import CHUNK_BYTES, ChunkReceiver, itemsize, iter_chunks
 from worker.client.binding import Binding
 from worker.client.compress import Encoded
+from worker.client.feed import BackwardFailed, GradientFeed
+from worker.client.rows import SparseJob
 
 # A shard's part of the model up to this many wire bytes goes inline in one unary Exchange per step (a small model
 # on another host: one call, not two streams); larger parts are streamed in chunks.
@@ -65,73 +68,6 @@ NO_TURNS = Turns(0, 0.0)  # an exchange with no part large enough to take turns 
 
 
 @dataclass
-class TableRows:
-    """One table's rows in one shard's part of an exchange: pushed (`values`: the gradients) or looked up (`out`:
-    where the rows go)."""
-
-    table: int
-    ids: np.ndarray  # int64, unique
-    values: np.ndarray | None = None  # float32 [n, dim]: a push's row gradients
-    out: np.ndarray | None = None  # float32 [n, dim]: a lookup's answer
-
-
-@dataclass
-class SparseJob:
-    """The sparse part of one shard's exchange: the rows it pushes and the rows it looks up."""
-
-    rows: list[TableRows]
-    lookups: list[TableRows]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes on the wire both ways (to choose a transport's path by size)."""
-        pushed = sum(r.ids.nbytes + (r.values.nbytes if r.values is not None else 0) for r in self.rows)
-        looked = sum(r.ids.nbytes + (r.out.nbytes if r.out is not None else 0) for r in self.lookups)
-        return int(pushed + looked)
-
-    def entries(self, inline: bool) -> tuple[list[ps_pb2.Rows], list[ps_pb2.Rows]]:
-        """The request's `rows` and `lookup` entries: with their bytes (gRPC), or naming the payload's (frames)."""
-
-        def entry(r: TableRows, values: bool) -> ps_pb2.Rows:
-            e = ps_pb2.Rows(table=r.table, count=len(r.ids))
-            if inline:
-                e.ids = r.ids.tobytes()
-                if values and r.values is not None:
-                    e.values = r.values.tobytes()
-            return e
-
-        return [entry(r, True) for r in self.rows], [entry(r, False) for r in self.lookups]
-
-    def add_to(self, request: ps_pb2.ExchangeRequest, inline: bool) -> None:
-        rows, lookups = self.entries(inline)
-        request.rows.extend(rows)
-        request.lookup.extend(lookups)
-
-    def raw_out(self) -> list[np.ndarray]:
-        """What follows the dense payload of a request frame: each pushed table's IDs and values, then each looked
-        up table's IDs."""
-        out: list[np.ndarray] = []
-        for r in self.rows:
-            assert r.values is not None
-            out += [r.ids, r.values]
-        return out + [r.ids for r in self.lookups]
-
-    def raw_in(self) -> list[np.ndarray]:
-        """Where the looked-up rows after a reply frame's dense payload go."""
-        return [r.out for r in self.lookups if r.out is not None]
-
-    def take(self, reply: ps_pb2.ExchangeResponse, address: str) -> None:
-        """Copy the looked-up rows out of a gRPC reply."""
-        if len(reply.rows) != len(self.lookups):
-            raise MalformedStream(f"shard {address} answered {len(reply.rows)} lookups for {len(self.lookups)}")
-        for r, entry in zip(self.lookups, reply.rows, strict=True):
-            assert r.out is not None
-            if len(entry.values) != r.out.nbytes:
-                raise MalformedStream(f"shard {address} sent {len(entry.values)} bytes of rows for {r.out.nbytes}")
-            r.out.reshape(-1).view(np.uint8)[:] = np.frombuffer(entry.values, dtype=np.uint8)
-
-
-@dataclass
 class Job:
     """One shard's part of one exchange, as a transport carries it."""
 
@@ -147,6 +83,13 @@ class Job:
     # The push's part compressed (worker/client/compress.py), from its pieces' gradients: None where it goes whole.
     # Set for a transport that `compresses` (the data socket); elsewhere the part goes whole.
     compress: Callable[[list[np.ndarray]], Encoded | None] | None = None
+    # The push's gradient as backward makes it (`grads` is None then): see Transport.exchange_as_ready.
+    feed: GradientFeed | None = None
+
+    @property
+    def pushes(self) -> bool:
+        """Whether the exchange pushes a gradient."""
+        return self.grads is not None or self.feed is not None
 
     @property
     def shards(self) -> int:
@@ -156,7 +99,7 @@ class Job:
     @property
     def dense(self) -> bool:
         """Whether the exchange pushes or pulls the dense part (else it only looks rows up)."""
-        return self.grads is not None or self.flats is not None
+        return self.pushes or self.flats is not None
 
     @property
     def small(self) -> bool:
@@ -187,6 +130,14 @@ class Transport(ABC):
         """Start `job` (in the caller's thread, or in the pool) and return what waits for the shard's answer.
         Failures of the connection itself are raised as UNAVAILABLE (the transport is closed then). Marks
         `job.turns` done for its shard once its push no longer holds the link (at once if it takes no turns)."""
+
+    def exchange_as_ready(self, job: Job) -> ps_pb2.ExchangeResponse:
+        """Run `job`, whose gradient comes from `job.feed` as backward makes it, to its answer (on one of the feed's
+        threads, while the caller's runs backward). This one pushes the whole gradient once backward is over; a
+        transport that can send each piece as soon as it is final does so."""
+        assert job.feed is not None
+        job.grads = job.feed.all()
+        return self.begin(job)()
 
     def close(self) -> None:
         """Release what the transport holds (a segment, a connection); it serves no further exchange. Idempotent."""
@@ -356,10 +307,23 @@ class SharedMemory(Transport):
 
     def begin(self, job: Job) -> Answer:
         job.turns.done(job.shard)  # only data sockets take turns
-        b, k, segment = job.binding, job.shard, self.segment
+        b, k = job.binding, job.shard
         if job.grads is not None:
-            for src, dst in zip(b.views(k, job.grads), b.regions(k, segment.grad), strict=True):
+            for src, dst in zip(b.views(k, job.grads), b.regions(k, self.segment.grad), strict=True):
                 np.copyto(dst, src)
+        return self._ring_then_copy(job)
+
+    def exchange_as_ready(self, job: Job) -> ps_pb2.ExchangeResponse:
+        """Each piece's gradient is copied into the segment as soon as backward has made it, last piece first."""
+        assert job.feed is not None
+        job.turns.done(job.shard)
+        regions = job.binding.regions(job.shard, self.segment.grad)
+        for src, dst in zip(job.feed.last_first(job.shard), reversed(regions), strict=True):
+            np.copyto(dst, src)
+        return self._ring_then_copy(job)()
+
+    def _ring_then_copy(self, job: Job) -> Answer:
+        b, k, segment = job.binding, job.shard, self.segment
         answer = self._ring(job)
 
         def finish() -> ps_pb2.ExchangeResponse:
@@ -368,6 +332,8 @@ class SharedMemory(Transport):
                 job.sparse.take(reply, self._address)
             if job.flats is not None:
                 job.check(reply.pulled)
+                if job.feed is not None:
+                    job.feed.wait()  # the weights go into the model once backward no longer reads it
                 for src, dst in zip(b.regions(k, segment.weights), b.views(k, job.flats), strict=True):
                     np.copyto(dst, src)
             return reply
@@ -418,52 +384,73 @@ class DataSocket(Transport):
         self.connection.close()  # closing a closed socket does nothing
 
     def begin(self, job: Job) -> Answer:
-        bell, b, k, req, sparse = self.connection, job.binding, job.shard, job.request, job.sparse
-        sent = b.views(k, job.grads) if job.grads is not None else []
-        if sparse is not None:
-            sparse.add_to(req, inline=False)
-        raw_out = sparse.raw_out() if sparse is not None else []
-        raw_in = sparse.raw_in() if sparse is not None else []
-
-        def send() -> None:
-            arrays, raw = sent, raw_out
-            encoded = job.compress(sent) if job.compress is not None and sent else None
-            if encoded is not None:
-                req.compression.CopyFrom(encoded.message)
-                arrays, raw = [encoded.values], [*encoded.raw, *raw_out]
-            try:
-                bell.send(req, job.timeout, arrays, req.dtype, raw)
-            except OSError as exc:
-                raise self._lost(exc, self._address) from None
-
-        def finish() -> ps_pb2.ExchangeResponse:
-            try:
-                reply = bell.receive(b.views(k, job.flats) if job.flats is not None else (), req.dtype, raw_in)
-            except (OSError, ConnectionError) as exc:
-                raise self._lost(exc, self._address) from None
-            if job.flats is not None:
-                job.check(reply.pulled)
-            return reply
-
+        if job.sparse is not None:
+            job.sparse.add_to(job.request, inline=False)
         if job.small:
             try:
-                send()  # a small part fits the socket buffers: ring every shard from this thread, then collect
+                self._send(job)  # a small part fits the socket buffers: ring every shard from this thread, then collect
             finally:
-                job.turns.done(k)
-            return finish
-        in_turn = job.grads is not None and self.in_turn
-
-        def exchange() -> ps_pb2.ExchangeResponse:
-            if in_turn:
-                job.turns.wait(k)
-            try:
-                send()
-                if in_turn and k + 1 < job.shards:  # the next shard's turn: once these bytes have crossed
-                    bell.drain(TURN_BELOW, job.timeout)
-            finally:
-                job.turns.done(k)
-            return finish()
-
+                job.turns.done(job.shard)
+            return functools.partial(self._receive, job)
         # A large part, pushed or pulled: the whole exchange in one thread per shard (shard 0 in the caller's), so
         # the transfers overlap; collected in one thread, shard 1's weights would wait in its socket for shard 0's.
-        return exchange if k == 0 else self._pool.submit(exchange).result
+        exchange = functools.partial(self._large, job)
+        return exchange if job.shard == 0 else self._pool.submit(exchange).result
+
+    def exchange_as_ready(self, job: Job) -> ps_pb2.ExchangeResponse:
+        """A large part's pieces go last first (ExchangeRequest.last_piece_first), each as soon as backward has
+        made it; a small one whole once backward is over."""
+        if job.small or job.sparse is not None:
+            return super().exchange_as_ready(job)
+        job.request.last_piece_first = True
+        return self._large(job)
+
+    def _large(self, job: Job) -> ps_pb2.ExchangeResponse:
+        k = job.shard
+        in_turn = job.pushes and self.in_turn
+        if in_turn:
+            job.turns.wait(k)
+        try:
+            self._send(job)
+            if in_turn and k + 1 < job.shards:  # the next shard's turn: once these bytes have crossed
+                self.connection.drain(TURN_BELOW, job.timeout)
+        finally:
+            job.turns.done(k)
+        return self._receive(job)
+
+    def _send(self, job: Job) -> None:
+        bell, req, sparse = self.connection, job.request, job.sparse
+        raw = sparse.raw_out() if sparse is not None else []
+        try:
+            if req.last_piece_first:
+                assert job.feed is not None
+                size = job.binding.elements[job.shard] * itemsize(req.dtype)
+                bell.send_as_ready(req, job.timeout, job.feed.last_first(job.shard), size, req.dtype)
+                return
+            arrays = job.binding.views(job.shard, job.grads) if job.grads is not None else []
+            encoded = job.compress(arrays) if job.compress is not None and arrays else None
+            if encoded is not None:
+                req.compression.CopyFrom(encoded.message)
+                arrays, raw = [encoded.values], [*encoded.raw, *raw]
+            bell.send(req, job.timeout, arrays, req.dtype, raw)
+        except OSError as exc:
+            raise self._lost(exc, self._address) from None
+        except BackwardFailed:
+            self.close()  # the frame is cut off: the shard drops it and the connection, out of step
+            raise
+
+    def _receive(self, job: Job) -> ps_pb2.ExchangeResponse:
+        b, k, req, sparse = job.binding, job.shard, job.request, job.sparse
+        if job.feed is not None:
+            job.feed.wait()  # the weights go into the model once backward no longer reads it
+        try:
+            reply = self.connection.receive(
+                b.views(k, job.flats) if job.flats is not None else (),
+                req.dtype,
+                sparse.raw_in() if sparse is not None else [],
+            )
+        except (OSError, ConnectionError) as exc:
+            raise self._lost(exc, self._address) from None
+        if job.flats is not None:
+            job.check(reply.pulled)
+        return reply

@@ -115,6 +115,13 @@ class TrainConfig:
         "so a step costs about max(compute, exchange) instead of their sum, and each gradient is one step staler. "
         "Pays where both can run at once (a slow link, cores to spare); refused in sync jobs",
     )
+    overlap_backward: bool = config_field(
+        False,
+        "send each layer's gradient to the shards as soon as backward has made it, the last layers first, while "
+        "backward computes the earlier ones (as DDP's buckets do; any mode). Applies where the gradient is final "
+        "as backward leaves it: not with --accumulate over 1, --clip-grad-norm, --precision float16 (loss scaling), "
+        "sparse tables, --overlap, --compress or a host group (those exchange after backward)",
+    )
     embedding_dim: int = config_field(16, "click models (a dataset with categorical features): the tables' width")
     table_size: int = config_field(
         0,

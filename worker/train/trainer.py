@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -18,6 +19,7 @@ from paramserver.files import atomic_write
 from paramserver.security import read_token
 from worker.client import PSClient, Tensors
 from worker.client.host_group import HostGroup
+from worker.client.sparse import tables_of
 from worker.data.datasets import Dataset, open_dataset, steps_per_epoch
 from worker.data.stream import StreamedDataset
 from worker.models.builtin import build_model
@@ -71,12 +73,15 @@ def _pull_once_closed(
             timed_out = exc
 
 
-def _exchange(client: PSClient, target: Tensors, round_timeout: float) -> bool:
+def _exchange(
+    client: PSClient, target: Tensors, round_timeout: float, backward: Callable[[], object] | None = None
+) -> bool:
     """Push the gradient held by `target` and pull the weights that include it into `target`, catching up when the
-    push was refused or its round stays open; return whether it was refused (a stale push)."""
+    push was refused or its round stays open; return whether it was refused (a stale push). `backward`: what makes
+    the gradient, run while the push goes (PSClient.push_pull)."""
     began = time.monotonic()
     try:
-        client.push_pull(target)
+        client.push_pull(target, backward=backward)
     except Aborted as exc:
         # The round closed without us (too slow, evicted, or a shard restarted): catch up, go on.
         log.debug("push refused: %s", exc)
@@ -101,6 +106,38 @@ def _overlap(
             "gradients of its own weights, which a worker a step ahead cannot send (leave --overlap off)"
         )
     return Overlap(model, exchange)
+
+
+def _exchange_following(
+    client: PSClient, model: torch.nn.Module, round_timeout: float, gradients: Callable[[], float]
+) -> tuple[float, bool]:
+    """`_exchange` with the gradient computed meanwhile: the loss, and whether the push was refused."""
+    losses: list[float] = []
+    refused = _exchange(client, model, round_timeout, lambda: losses.append(gradients()))
+    return losses[0], refused
+
+
+def _follows_backward(
+    config: TrainConfig, model: torch.nn.Module, precision: MixedPrecision, overlap: Overlap[bool] | None
+) -> bool:
+    """Whether each step's exchange runs alongside its backward (--overlap-backward), where the gradient is final
+    as backward leaves it; a warning says why not where it was asked for and cannot be."""
+    if not config.overlap_backward:
+        return False
+    why = [
+        reason
+        for reason, applies in (
+            (f"--accumulate {config.accumulate} sums several backward passes", config.accumulate > 1),
+            ("--clip-grad-norm changes the gradient after backward", config.clip_grad_norm is not None),
+            ("float16 unscales the gradient after backward", precision.scaler is not None),
+            ("the model's tables push rows set aside after backward", bool(tables_of(model))),
+            ("--overlap sends each gradient a step later", overlap is not None),
+        )
+        if applies
+    ]
+    if why:
+        log.warning("--overlap-backward does not apply (%s): each step exchanges after its backward", "; ".join(why))
+    return not why
 
 
 def _board(directory: str | None, rank: int) -> Any:
@@ -220,6 +257,7 @@ def train(
             return _exchange(client, target, config.round_timeout)
 
         overlap = _overlap(config, client, model, exchange)
+        follow = _follows_backward(config, model, precision, overlap)
         board = _board(config.tensorboard, client.rank)
         started_at, start = time.time(), time.perf_counter()
         try:
@@ -239,14 +277,28 @@ def train(
                         if step >= total:
                             break
                         began = time.perf_counter()
-                        loss_value = compute_gradients(
-                            model, xb, yb, config.accumulate, config.clip_grad_norm, step=step_fn, precision=precision
-                        )
-                        if coming is not None and step + ahead < total:
-                            prefetch(coming)
                         seen = min(client.versions)
-                        exchanged = time.perf_counter()
-                        stale += exchange(model) if overlap is None else bool(overlap.step())
+                        gradients = functools.partial(
+                            compute_gradients,
+                            model,
+                            xb,
+                            yb,
+                            config.accumulate,
+                            config.clip_grad_norm,
+                            step=step_fn,
+                            precision=precision,
+                        )
+                        if follow:  # the exchange goes while the gradient is computed
+                            exchanged = began
+                            loss_value, refused = _exchange_following(client, model, config.round_timeout, gradients)
+                            stale += refused
+                        else:
+                            loss_value = gradients()
+                            if coming is not None and step + ahead < total:
+                                prefetch(coming)
+                            seen = min(client.versions)
+                            exchanged = time.perf_counter()
+                            stale += exchange(model) if overlap is None else bool(overlap.step())
                         step += 1
                         samples += len(xb)
                         if board is not None:
