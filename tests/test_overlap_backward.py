@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 
@@ -36,6 +37,7 @@ from paramserver.wire.chunks import BFLOAT16, FLOAT32, encode
 from worker.client import PSClient
 from worker.client.binding import Binding, tensors_of
 from worker.client.feed import BackwardFailed, GradientFeed
+from worker.client.turns import Turns
 from worker.train.config import TrainConfig
 from worker.train.trainer import train
 
@@ -74,9 +76,13 @@ def _backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[]
     return run
 
 
-def _trained(cluster: LocalCluster, follow: bool, shared_memory: bool, dtype: str) -> dict[str, torch.Tensor]:
+def _trained(
+    cluster: LocalCluster, follow: bool, shared_memory: bool, dtype: str, in_turn: bool
+) -> dict[str, torch.Tensor]:
     model = _Net()
-    with PSClient(cluster.address, job_name=JOB, shared_memory=shared_memory, dtype=dtype) as client:
+    with PSClient(
+        cluster.address, job_name=JOB, shared_memory=shared_memory, dtype=dtype, push_in_turn=in_turn
+    ) as client:
         client.register(model)
         kinds = {link.transport.kind for link in client.links}
         assert kinds == {"shared memory" if shared_memory else "data socket"}, kinds
@@ -90,14 +96,16 @@ def _trained(cluster: LocalCluster, follow: bool, shared_memory: bool, dtype: st
 
 
 @pytest.mark.parametrize(
-    ("shared_memory", "dtype"), [(False, "float32"), (False, "bf16"), (True, "float32")], ids=["socket", "bf16", "shm"]
+    ("shared_memory", "dtype", "in_turn"),
+    [(False, "float32", False), (False, "bf16", True), (True, "float32", False)],
+    ids=["socket", "bf16-in-turn", "shm"],
 )
 def test_an_exchange_during_backward_trains_exactly_as_one_after_it(
-    ps_cluster_factory: Callable[..., LocalCluster], shared_memory: bool, dtype: str
+    ps_cluster_factory: Callable[..., LocalCluster], shared_memory: bool, dtype: str, in_turn: bool
 ) -> None:
     config = ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=0.1, job_name=JOB)
-    after = _trained(ps_cluster_factory(config, shards=2), False, shared_memory, dtype)
-    during = _trained(ps_cluster_factory(config, shards=2), True, shared_memory, dtype)
+    after = _trained(ps_cluster_factory(config, shards=2), False, shared_memory, dtype, in_turn)
+    during = _trained(ps_cluster_factory(config, shards=2), True, shared_memory, dtype, in_turn)
     assert after.keys() == during.keys()
     for name, value in after.items():
         assert torch.equal(during[name], value), name
@@ -280,3 +288,27 @@ def test_the_trainer_overlapping_backward_ends_where_it_ends_without(
     with caplog.at_level(logging.WARNING, logger="worker.train.trainer"):
         _train(ps_cluster_factory(config, shards=2), overlap_backward=True, clip_grad_norm=1.0)
     assert "--overlap-backward does not apply (--clip-grad-norm" in caplog.text
+
+
+def test_pushes_following_backward_take_the_link_a_piece_at_a_time_lowest_shard_first() -> None:
+    turns = Turns(3, 30.0)
+    turns.take(2)  # a free link: shard 2's first piece is final before the others'
+    turns.take(2)  # its next piece too: it keeps the link
+    order: list[int] = []
+
+    def piece(k: int) -> None:
+        turns.take(k)
+        order.append(k)
+        turns.give(k)
+
+    waiting = [threading.Thread(target=piece, args=(k,)) for k in (1, 0)]
+    for t in waiting:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(turns._asking) < 2 and time.monotonic() < deadline:  # both asking while shard 2 sends
+        time.sleep(0.01)
+    assert order == []
+    turns.give(2)  # shard 2 waits for backward: the lowest shard asking goes first
+    for t in waiting:
+        t.join(30)
+    assert order == [0, 1]

@@ -79,11 +79,15 @@ class GradientFeed:
                 flat = self._flats[i] = self._binding.gradient(i, of_module=True)
             return flat
 
-    def last_first(self, shard: int) -> Iterator[np.ndarray]:
-        """The gradient of `shard`'s pieces, last piece first, each as soon as it is final."""
+    def last_first(self, shard: int, on_wait: Callable[[], object] | None = None) -> Iterator[np.ndarray]:
+        """The gradient of `shard`'s pieces, last piece first, each as soon as it is final; `on_wait()` is called
+        before waiting for one that is not final yet."""
         b = self._binding
         for p in reversed(b.placement.shards[shard]):
-            yield self.flat(b.index(p.name))[p.start : p.start + p.length]
+            i = b.index(p.name)
+            if on_wait is not None and not self._final[i].is_set():
+                on_wait()
+            yield self.flat(i)[p.start : p.start + p.length]
 
     def all(self) -> list[np.ndarray]:
         """Every tensor's gradient, once backward is over."""

@@ -41,7 +41,8 @@ from worker.client.binding import Binding
 from worker.client.compress import Compressor
 from worker.client.feed import GradientFeed
 from worker.client.rows import SparseJob, given_rows
-from worker.client.transports import Answer, DataSocket, Grpc, Job, SharedMemory, Transport, Turns
+from worker.client.transports import Answer, DataSocket, Grpc, Job, SharedMemory, Transport
+from worker.client.turns import Turns
 
 log = logging.getLogger(__name__)
 

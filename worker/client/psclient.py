@@ -38,7 +38,8 @@ from worker.client.link import Session, ShardLink
 from worker.client.membership import Membership
 from worker.client.rows import SparseJob, TableRows, by_shard, row_jobs
 from worker.client.sparse import tables_of
-from worker.client.transports import INLINE_BYTES, NO_TURNS, Turns
+from worker.client.transports import INLINE_BYTES
+from worker.client.turns import NO_TURNS, Turns
 
 log = logging.getLogger(__name__)
 
