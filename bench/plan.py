@@ -42,6 +42,8 @@ class Plan:
     compress_train_rates: tuple[str, ...]  # ... and its training runs
     compress_epochs: int  # the CNN's epochs there (tested after each: the time to tta_target)
     compress_steps: int  # big_model's steps there
+    overlap_backward_rates: tuple[str, ...]  # the links the overlap_backward section trains over (tbf rates)
+    overlap_backward_wires: tuple[str, ...]  # ... and its wire dtypes (its steps and epochs: compress's)
     hosts_model: str  # the hosts section's model (ps-worker --model), 2 hosts x ps-worker --nproc 2
     hosts_steps: int
     sparse_dims: tuple[int, ...]  # row widths of the sparse step cases (4,096 Zipf IDs a batch)
@@ -97,6 +99,8 @@ class Plan:
             compress_train_rates=("100mbit", "1gbit"),
             compress_epochs=20,  # the compressed runs' pushes arrive late: ~0.97 after 20 epochs, 0.91-0.95 after 10
             compress_steps=6,
+            overlap_backward_rates=("400mbit", "1gbit"),
+            overlap_backward_wires=("bf16", "float32"),
             hosts_model="bench.models:mlp1m",  # 4.4 MB each way a push: the link, not the 2 cores, sets the pace
             hosts_steps=40,
             sparse_dims=(16, 64, 128),
@@ -150,6 +154,8 @@ class Plan:
             compress_train_rates=("400mbit",),
             compress_epochs=1,
             compress_steps=2,
+            overlap_backward_rates=("400mbit",),
+            overlap_backward_wires=("bf16",),  # mlp1m's fc2 is a shard's part, 2 MiB in bf16: the flag applies
             hosts_model="mlp",
             hosts_steps=3,
             sparse_dims=(64,),

@@ -46,6 +46,7 @@ def markdown(doc: Doc) -> str:
         report_links.replication(ix)
         + report_links.link(ix)
         + report_links.compress(ix)
+        + report_links.overlap_backward(ix)
         + report_links.hosts(ix)
         + report_links.stream(ix)
     )

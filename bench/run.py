@@ -14,7 +14,8 @@ against plain torch: CPU per sample and step time; then workers x shards and 1 t
 else skipped),
 replication (--replicas 2: the push + pull against one copy, failover and catch-up times, with a real etcd),
 link (training over a bandwidth-limited link between network namespaces, with and
-without ps-worker --overlap; needs root, else skipped), stream (CNN steps fed from shards over HTTP through a
+without ps-worker --overlap; needs root, else skipped), overlap_backward (training over such links with and without
+ps-worker --overlap-backward; root), stream (CNN steps fed from shards over HTTP through a
 bandwidth-limited link with and without prefetching, against local disk; needs root, else skipped). Everything runs
 on 127.0.0.1 or in the link and stream sections' own namespaces; every process started is stopped, and every
 namespace removed, at the end.
@@ -45,6 +46,7 @@ from bench import (  # noqa: E402
     hosts,
     link,
     memory,
+    overlap_backward,
     replication,
     report,
     sparse,
@@ -68,6 +70,7 @@ SECTIONS = {
     "replication": replication.run,
     "link": link.run,
     "compress": compress.run,
+    "overlap_backward": overlap_backward.run,
     "hosts": hosts.run,
     "stream": stream.run,
 }

@@ -1,6 +1,6 @@
-"""The benchmark's link, compress, hosts and stream sections on tiny sizes: training and push_pull over a
-bandwidth-limited link between network namespaces (whole and compressed, one push per host or per process), and a
-worker's data streamed over HTTP through one (root only). Run by
+"""The benchmark's link, compress, overlap_backward, hosts and stream sections on tiny sizes: training and push_pull
+over a bandwidth-limited link between network namespaces (whole and compressed, pushes after or during backward, one
+push per host or per process), and a worker's data streamed over HTTP through one (root only). Run by
 `make netns-test`, beside the multi-host tests:
 
     sudo PS_MULTIHOST=1 .venv/bin/python -m pytest tests/test_bench_link.py -v
@@ -65,6 +65,33 @@ def test_quick_compress_section_measures_compressed_pushes_against_gloo_and_bf16
     assert by_id[f"{prefix}.step.bf16.topk0.01"]["median"] < by_id[f"{prefix}.step.bf16.whole"]["median"]
     assert all(f["median"] > 0 for f in by_id.values() if ".tta." not in f["id"])
     assert "## Compress" in (tmp_path / "latest.md").read_text()
+
+
+@pytest.mark.timeout(LIMIT_S)
+def test_quick_overlap_backward_section_measures_both_models_with_and_without_the_flag(tmp_path: Path) -> None:
+    why = unavailable()
+    if why:
+        pytest.skip(f"the overlap_backward section cannot run here: {why}")
+    result = run_quick(tmp_path, ("overlap_backward",))
+    assert result.returncode == 0, result.stderr[-4000:]
+    doc = json.loads((tmp_path / "latest.json").read_text())
+    assert doc["sections"]["overlap_backward"]["ok"], doc["sections"]
+    by_id = {f["id"]: f for f in doc["figures"] if f["section"] == "overlap_backward"}
+    prefix = "overlap_backward.400mbit"
+    assert by_id.keys() == {f"{prefix}.{kind}.bf16.{s}" for kind in ("sps.mlp", "step.cnn") for s in ("on", "off")}
+    for kind in ("sps.mlp", "step.cnn"):
+        assert by_id[f"{prefix}.{kind}.bf16.on"]["ratios"].keys() == {f"{prefix}.{kind}.bf16.off"}
+        assert by_id[f"{prefix}.{kind}.bf16.off"]["compare"] == []
+    # The quick MLP's largest part (2 MiB in bf16) is over one message, the digits CNN's is not.
+    assert by_id[f"{prefix}.sps.mlp.bf16.on"]["params"]["follows_backward"]
+    assert not by_id[f"{prefix}.step.cnn.bf16.on"]["params"]["follows_backward"]
+    for f in by_id.values():
+        assert f["repeats"] and all(x > 0 for x in f["repeats"]), f
+        assert f["median"] > 0, f["id"]
+    assert "## Overlap backward" in (tmp_path / "latest.md").read_text()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.split()
+    left = [ns for ns in listed if (m := re.match(r"psnt(\d+)-", ns)) and not Path(f"/proc/{m.group(1)}").exists()]
+    assert not left, left
 
 
 @pytest.mark.timeout(LIMIT_S)

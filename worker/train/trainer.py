@@ -118,7 +118,11 @@ def _exchange_following(
 
 
 def _follows_backward(
-    config: TrainConfig, model: torch.nn.Module, precision: MixedPrecision, overlap: Overlap[bool] | None
+    config: TrainConfig,
+    client: PSClient,
+    model: torch.nn.Module,
+    precision: MixedPrecision,
+    overlap: Overlap[bool] | None,
 ) -> bool:
     """Whether each step's exchange runs alongside its backward (--overlap-backward), where the gradient is final
     as backward leaves it; a warning says why not where it was asked for and cannot be."""
@@ -132,6 +136,8 @@ def _follows_backward(
             ("float16 unscales the gradient after backward", precision.scaler is not None),
             ("the model's tables push rows set aside after backward", bool(tables_of(model))),
             ("--overlap sends each gradient a step later", overlap is not None),
+            ("--compress encodes the whole part", bool(config.compress)),
+            ("the host's group averages the gradient first", client.group is not None),
         )
         if applies
     ]
@@ -257,7 +263,7 @@ def train(
             return _exchange(client, target, config.round_timeout)
 
         overlap = _overlap(config, client, model, exchange)
-        follow = _follows_backward(config, model, precision, overlap)
+        follow = _follows_backward(config, client, model, precision, overlap)
         board = _board(config.tensorboard, client.rank)
         started_at, start = time.time(), time.perf_counter()
         try:
@@ -289,7 +295,7 @@ def train(
                             precision=precision,
                         )
                         if follow:  # the exchange goes while the gradient is computed
-                            exchanged = began
+                            exchanged = began  # so exchange_seconds is the whole step
                             loss_value, refused = _exchange_following(client, model, config.round_timeout, gradients)
                             stale += refused
                         else:
