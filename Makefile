@@ -10,6 +10,9 @@ PORT ?= 0
 MODEL ?= cnn
 DATA ?= memory
 DEMO_ARGS ?=
+# make test's processes: most tests wait on servers, sockets and subprocesses, so two share two cores well
+# (4.8 min against 6.8 in one on this 2-core machine); PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: install demo test lint proto clean bench bench-peers bench-smoke gpu-check stress deploy-check image image-test netns-test netns-clean monitoring-test js-test
 
@@ -33,7 +36,7 @@ demo: $(STAMP)
 
 ## test: the whole suite (unit, servicer, end-to-end with real servers on port 0)
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check paramserver worker tests bench deploy
