@@ -5,6 +5,8 @@ server config, each run against its own real shards: a LocalCluster of 2 shards 
 - dense: an MLP with a transposed (non-contiguous) parameter, SGD, over each transport: the weights after every
   step equal the CPU run's to 1e-5; on CUDA every tensor goes through a pinned host mirror and comes back by a
   non_blocking copy (worker/client/binding.py), written in place;
+- an exchange during backward (push_pull(backward=...)): the same weights as the CPU run's, the pieces streamed
+  from the device's gradients as backward makes them;
 - buffers: a BatchNorm model's running_mean, running_var and num_batches_tracked, and its weights, as the CPU run's;
 - autocast: MixedPrecision.for_device("bfloat16" or "float16", cuda) through worker.train.gradients.compute_gradients
   (what the trainer runs): the forward pass in that dtype, the loss finite, the weights moved, close to the CPU
@@ -114,10 +116,17 @@ def _float32_step(model: nn.Module, batch: Batch) -> float:
 
 
 def _trained(
-    config: ServerConfig, model: nn.Module, batches: list[Batch], device: str, step: Step, **client_kwargs: Any
+    config: ServerConfig,
+    model: nn.Module,
+    batches: list[Batch],
+    device: str,
+    step: Step,
+    follow: bool = False,
+    **client_kwargs: Any,
 ) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
-    """A copy of `model` on `device` trained on `batches` against fresh shards, one push_pull a batch: its state
-    after each step (on the CPU) and the losses. Checks that every exchange writes the model's tensors in place."""
+    """A copy of `model` on `device` trained on `batches` against fresh shards, one push_pull a batch (`follow`:
+    with the step run as its `backward`, the exchange starting during it): its state after each step (on the CPU)
+    and the losses. Checks that every exchange writes the model's tensors in place."""
     model = copy.deepcopy(model).to(device)
     where = {name: (t.data_ptr(), t.stride()) for name, t in model.state_dict().items()}
     states, losses = [], []
@@ -127,9 +136,16 @@ def _trained(
         if torch.device(device).type == "cuda":  # every tensor goes through a pinned host mirror (private API)
             assert all(m is not None and m.is_pinned() for m in client._bind(model).host)
         for batch in batches:
-            model.zero_grad(set_to_none=True)
-            losses.append(step(model, tuple(t.to(device) for t in batch)))
-            client.push_pull(model)
+
+            def backward(batch: Batch = batch) -> None:
+                model.zero_grad(set_to_none=True)
+                losses.append(step(model, tuple(t.to(device) for t in batch)))
+
+            if follow:
+                client.push_pull(model, backward=backward)
+            else:
+                backward()
+                client.push_pull(model)
             # Cloned on the device (no wait for the host): ordered after the non_blocking copies, as the next step is.
             states.append({name: t.detach().clone() for name, t in model.state_dict().items()})
         assert client.versions == [len(batches)] * 2
@@ -161,6 +177,22 @@ def test_dense_weights_after_each_step_equal_the_cpu_runs(transport: str) -> Non
     for step, (g, w) in enumerate(zip(got, want, strict=True), 1):
         _assert_close(g, w, f"step {step}")
     assert not torch.equal(want[-1]["proj"], model.proj.detach()), "the weights did not move"
+
+
+@pytest.mark.parametrize("transport", ["shared-memory", "data-socket"])
+def test_an_exchange_during_backward_on_the_device_equals_the_cpu_runs(transport: str) -> None:
+    """push_pull(backward=...) (ps-worker --overlap-backward) with the gradients on the device: each piece goes out
+    (through its host mirror) as soon as backward has made it; the larger part is over one message, so it streams."""
+    if transport == "shared-memory" and not shm.available():
+        pytest.skip("no shared memory (sealed memfds) on this machine")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 1100), nn.ReLU(), nn.Linear(1100, 600), nn.ReLU(), nn.Linear(600, 3))
+    batches = _batches()
+    config = ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=0.1)
+    want, _ = _trained(config, model, batches, "cpu", _float32_step, **TRANSPORTS[transport])
+    got, _ = _trained(config, model, batches, DEVICE, _float32_step, True, **TRANSPORTS[transport])
+    for step, (g, w) in enumerate(zip(got, want, strict=True), 1):
+        _assert_close(g, w, f"step {step}")
 
 
 def test_batchnorm_buffers_and_weights_equal_the_cpu_runs() -> None:
