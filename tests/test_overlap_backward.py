@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 
 import grpc
@@ -32,6 +32,7 @@ from torch import nn
 from paramserver.config import ServerConfig
 from paramserver.placement import TensorSpec, place
 from paramserver.server.cluster import LocalCluster
+from paramserver.transport.socket_client import FrameClient
 from paramserver.v1 import ps_pb2
 from paramserver.wire.chunks import BFLOAT16, FLOAT32, encode
 from worker.client import PSClient
@@ -166,6 +167,58 @@ def test_the_feed_hands_out_the_last_layer_while_backward_computes_the_first() -
     assert np.array_equal(handed[-1], model[0].weight.grad.numpy().reshape(-1))
 
 
+@pytest.mark.parametrize("in_turn", [False, True], ids=["at-once", "in-turn"])
+def test_the_client_sends_the_push_while_backward_is_still_computing(
+    ps_cluster_factory: Callable[..., LocalCluster], monkeypatch: pytest.MonkeyPatch, in_turn: bool
+) -> None:
+    """Backward waits in its first layer until a piece of the push is on its way (a frame that streams); a client
+    that exchanged after backward would leave it waiting (30 s, then the assertion in _Hold)."""
+    sent = FrameClient.send_as_ready
+    streamed: list[bool] = []
+
+    def watched(self: FrameClient, request: ps_pb2.ExchangeRequest, timeout: float, arrays: Iterator[np.ndarray],
+                size: int, dtype: int) -> None:  # fmt: skip
+        streamed.append(request.last_piece_first)
+
+        def pieces() -> Iterator[np.ndarray]:
+            for array in arrays:
+                _Hold.released.set()
+                yield array
+
+        sent(self, request, timeout, pieces(), size, dtype)
+
+    monkeypatch.setattr(FrameClient, "send_as_ready", watched)
+    config = ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=0.1, job_name=JOB)
+    cluster = ps_cluster_factory(config, shards=2)
+    model = _Net()
+    (x, y), *_ = _batches(1)
+    with PSClient(cluster.address, job_name=JOB, shared_memory=False, push_in_turn=in_turn) as client:
+        client.register(model)
+        assert client.exchange_after_backward_because(model) == []
+        _Hold.released.clear()
+
+        def backward() -> None:
+            model.zero_grad(set_to_none=False)
+            out = model.last(torch.relu(model.big(torch.relu(model.norm(_Hold.apply(model.first(x)))))))
+            nn.functional.cross_entropy(out, y).backward()
+
+        assert client.push_pull(model, backward=backward) == 1
+    assert streamed and all(streamed), streamed
+
+
+def test_a_client_says_why_an_exchange_waits_for_backward(ps_cluster_factory: Callable[..., LocalCluster]) -> None:
+    cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=0.1), shards=2)
+    small = nn.Linear(4, 3)
+    with PSClient(cluster.address, shared_memory=False) as client:
+        client.register(small)
+        assert client.exchange_after_backward_because(small) == ["each shard's part fits one message"]
+        assert client.exchange_after_backward_because(dict(small.named_parameters())) == [
+            "a mapping's tensors are the gradient itself"
+        ]
+    with PSClient(cluster.address, shared_memory=False, compress="topk:0.1", join=False) as client:
+        assert "compression encodes the whole part" in client.exchange_after_backward_because(small)
+
+
 def test_a_feed_whose_backward_raises_fails_its_waiters() -> None:
     model = nn.Linear(3, 2)
     names, tensors, buffer = tensors_of(model)
@@ -271,9 +324,9 @@ def test_last_piece_first_is_refused_where_it_means_nothing_and_changes_nothing(
 
 def _train(cluster: LocalCluster, **changes: object) -> dict[str, float]:
     """One epoch of a 1.1 M-parameter MLP on digits (each shard's part over 1 MiB: it streams)."""
+    fields: dict[str, object] = {"model": "bench.models:mlp1m", "dataset": "digits", "epochs": 1, **changes}
     config = TrainConfig(
-        server=cluster.address, model="bench.models:mlp1m", dataset="digits", epochs=1, batch_size=64,
-        shared_memory=False, progress=False, **changes,  # type: ignore[arg-type]
+        server=cluster.address, batch_size=64, shared_memory=False, progress=False, **fields,  # type: ignore[arg-type]
     )  # fmt: skip
     return train(config)
 
@@ -288,6 +341,10 @@ def test_the_trainer_overlapping_backward_ends_where_it_ends_without(
     with caplog.at_level(logging.WARNING, logger="worker.train.trainer"):
         _train(ps_cluster_factory(config, shards=2), overlap_backward=True, clip_grad_norm=1.0)
     assert "--overlap-backward does not apply (--clip-grad-norm" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="worker.train.trainer"):
+        _train(ps_cluster_factory(config, shards=2), overlap_backward=True, model="mlp")
+    assert "--overlap-backward does not apply (each shard's part fits one message)" in caplog.text
 
 
 def test_pushes_following_backward_take_the_link_a_piece_at_a_time_lowest_shard_first() -> None:

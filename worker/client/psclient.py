@@ -326,12 +326,11 @@ class PSClient:
         exchange goes: each shard's push sends first the gradients backward finishes first (the last layers'), each
         as soon as it is final, as DDP's buckets do; the weights are written once it has returned. It must run one
         backward pass and leave the gradients as it made them (worker/client/feed.py). Where a push cannot follow
-        backward (a mapping, a model with tables, a host group, compression, a part that fits one message), it runs
-        first and the exchange after it.
+        backward (`exchange_after_backward_because` says why), it runs first and the exchange after it.
         """
         b = self._bind(obj)
         if backward is not None:
-            if self._follows_backward(obj, b):
+            if not self.exchange_after_backward_because(obj):
                 return self._exchange_following(b, backward, self._next_step(step))
             backward()
         grads = b.gradients(isinstance(obj, torch.nn.Module))
@@ -340,11 +339,24 @@ class PSClient:
         deliver()
         return version
 
-    def _follows_backward(self, obj: Tensors, b: Binding) -> bool:
-        """Whether an exchange of `obj` can start before its backward is over (see push_pull)."""
-        large = b.largest_part * itemsize(self.dtype) > INLINE_BYTES
-        plain = not b.tables and self.group is None and self.compressor is None
-        return isinstance(obj, torch.nn.Module) and plain and large
+    def exchange_after_backward_because(self, obj: Tensors) -> list[str]:
+        """Why `push_pull(obj, backward=...)` would run backward first and exchange after it, on this client (an
+        empty list: the exchange starts during backward)."""
+        if not isinstance(obj, torch.nn.Module):
+            return ["a mapping's tensors are the gradient itself"]
+        b = self._bind(obj)
+        reasons = (
+            ("the model's tables push rows set aside after backward", bool(b.tables)),
+            ("the host's group averages the gradient first", self.group is not None),
+            ("compression encodes the whole part", self.compressor is not None),
+            ("each shard's part fits one message", not self._large(b)),
+        )
+        return [reason for reason, applies in reasons if applies]
+
+    def _large(self, b: Binding) -> bool:
+        """Whether some shard's part of the model is over one message on the wire (it then takes turns, or streams
+        during backward)."""
+        return b.largest_part * itemsize(self.dtype) > INLINE_BYTES
 
     def _exchange_following(self, b: Binding, backward: Callable[[], object], step: int) -> int:
         """push_pull with `backward` run meanwhile, each shard's push taking the gradients as they become final."""
@@ -399,9 +411,8 @@ class PSClient:
     ) -> int:
         flats = b.flats() if pull else None
         bases = self.versions
-        large = b.largest_part * itemsize(self.dtype) > INLINE_BYTES
         pushed = grads is not None or feed is not None
-        turns = Turns(len(self.links), self.timeout) if pushed and large else NO_TURNS
+        turns = Turns(len(self.links), self.timeout) if pushed and self._large(b) else NO_TURNS
         sparse = rows or [None] * len(self.links)
         try:
             versions = fan_out(

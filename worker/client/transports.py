@@ -30,7 +30,7 @@ from paramserver.wire import codec
 from paramserver.wire.chunks import CHUNK_BYTES, ChunkReceiver, itemsize, iter_chunks
 from worker.client.binding import Binding
 from worker.client.compress import Encoded
-from worker.client.feed import BackwardFailed, GradientFeed
+from worker.client.feed import GradientFeed
 from worker.client.rows import SparseJob
 from worker.client.turns import TURN_BELOW, Turns
 
@@ -410,13 +410,7 @@ class DataSocket(Transport):
         raw = sparse.raw_out() if sparse is not None else []
         try:
             if req.last_piece_first:
-                assert job.feed is not None
-                size = job.binding.elements[job.shard] * itemsize(req.dtype)
-                pieces = self._as_ready(job)
-                try:
-                    bell.send_as_ready(req, job.timeout, pieces, size, req.dtype)
-                finally:
-                    pieces.close()
+                self._send_as_ready(job)
                 return
             arrays = job.binding.views(job.shard, job.grads) if job.grads is not None else []
             encoded = job.compress(arrays) if job.compress is not None and arrays else None
@@ -426,9 +420,17 @@ class DataSocket(Transport):
             bell.send(req, job.timeout, arrays, req.dtype, raw)
         except OSError as exc:
             raise self._lost(exc, self._address) from None
-        except BackwardFailed:
-            self.close()  # the frame is cut off: the shard drops it and the connection, out of step
+
+    def _send_as_ready(self, job: Job) -> None:
+        size = job.binding.elements[job.shard] * itemsize(job.request.dtype)
+        pieces = self._as_ready(job)
+        try:
+            self.connection.send_as_ready(job.request, job.timeout, pieces, size, job.request.dtype)
+        except BaseException:
+            self.close()  # cut off mid-frame (BackwardFailed, a lost link): the shard drops the frame
             raise
+        finally:
+            pieces.close()
 
     def _receive(self, job: Job) -> ps_pb2.ExchangeResponse:
         b, k, req, sparse = job.binding, job.shard, job.request, job.sparse

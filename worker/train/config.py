@@ -121,7 +121,7 @@ class TrainConfig:
         "backward computes the earlier ones (as DDP's buckets do; any mode). Applies where the gradient is final "
         "as backward leaves it: not with --accumulate over 1, --clip-grad-norm, --precision float16 (loss scaling), "
         "sparse tables, --overlap, --compress or a host group, nor where each shard's part fits one message (1 MiB on "
-        "the wire): those exchange after backward. Over a link, 1.02-1.09x a 25 M-parameter MLP's samples/s",
+        "the wire): those exchange after backward. Over a link, 1.03-1.09x a 25 M-parameter MLP's samples/s",
     )
     embedding_dim: int = config_field(16, "click models (a dataset with categorical features): the tables' width")
     table_size: int = config_field(

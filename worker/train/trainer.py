@@ -19,7 +19,6 @@ from paramserver.files import atomic_write
 from paramserver.security import read_token
 from worker.client import PSClient, Tensors
 from worker.client.host_group import HostGroup
-from worker.client.sparse import tables_of
 from worker.data.datasets import Dataset, open_dataset, steps_per_epoch
 from worker.data.stream import StreamedDataset
 from worker.models.builtin import build_model
@@ -134,13 +133,10 @@ def _follows_backward(
             (f"--accumulate {config.accumulate} sums several backward passes", config.accumulate > 1),
             ("--clip-grad-norm changes the gradient after backward", config.clip_grad_norm is not None),
             ("float16 unscales the gradient after backward", precision.scaler is not None),
-            ("the model's tables push rows set aside after backward", bool(tables_of(model))),
             ("--overlap sends each gradient a step later", overlap is not None),
-            ("--compress encodes the whole part", bool(config.compress)),
-            ("the host's group averages the gradient first", client.group is not None),
         )
         if applies
-    ]
+    ] + client.exchange_after_backward_because(model)
     if why:
         log.warning("--overlap-backward does not apply (%s): each step exchanges after its backward", "; ".join(why))
     return not why
@@ -283,7 +279,6 @@ def train(
                         if step >= total:
                             break
                         began = time.perf_counter()
-                        seen = min(client.versions)
                         gradients = functools.partial(
                             compute_gradients,
                             model,
@@ -295,6 +290,7 @@ def train(
                             precision=precision,
                         )
                         if follow:  # the exchange goes while the gradient is computed
+                            seen = min(client.versions)
                             exchanged = began  # so exchange_seconds is the whole step
                             loss_value, refused = _exchange_following(client, model, config.round_timeout, gradients)
                             stale += refused
