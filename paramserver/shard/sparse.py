@@ -87,18 +87,30 @@ ROW_OVERHEAD_BYTES = 64
 
 # A group of bounded tables indexes its rows directly, one int32 per possible ID (paramserver.shard.id_hash.
 # DirectIndex: a lookup is one `take`, not a hash probe), where that index costs at most DIRECT_INDEX_BYTES or a
-# quarter of what the group's rows would take if this shard held every row it may hold.
+# quarter of what the group's rows would take if this shard held every row it may hold, and never more than
+# `budget`: what is left of a quarter of --max-table-bytes after the groups before it (DIRECT_INDEX_SHARE). The
+# index is allocated whole when the model is declared, so a bound is checked from the header alone, before any
+# allocation: a table declared with 2^62 IDs gets the hash index, which grows with the rows held.
 DIRECT_INDEX_BYTES = 16 << 20
+DIRECT_INDEX_SHARE = 4  # direct indexes take at most 1/DIRECT_INDEX_SHARE of --max-table-bytes, all groups together
 
 
-def direct_index(specs: Sequence[TableSpec], optimizer: str, num_shards: int) -> bool:
+def direct_index_bytes(specs: Sequence[TableSpec]) -> int:
+    """What a direct index over these bounded tables costs (an int32 per possible ID)."""
+    return 4 * sum(s.num_embeddings for s in specs)
+
+
+def direct_index(specs: Sequence[TableSpec], optimizer: str, num_shards: int, budget: int | None = None) -> bool:
     """Whether a group of these tables (one dim, this row optimizer) on one of `num_shards` shards indexes its rows
-    directly."""
+    directly, its index costing at most `budget` bytes (None: no budget)."""
     if not all(s.bounded for s in specs):
         return False
     ids = sum(s.num_embeddings for s in specs)
+    cost = direct_index_bytes(specs)
+    if budget is not None and cost > budget:
+        return False
     row_bytes = 4 * (specs[0].dim + row_optimizer(optimizer).state_cols(specs[0].dim))
-    return 4 * ids <= max(DIRECT_INDEX_BYTES, ids * row_bytes / (4 * num_shards))
+    return cost <= max(DIRECT_INDEX_BYTES, ids * row_bytes / (4 * num_shards))
 
 
 @dataclass(frozen=True)
@@ -187,12 +199,35 @@ class ShardTables:
             self._group_of[members] = g
             self._tag_of[members] = np.arange(len(members))
         self._bounds = np.array([s.num_embeddings for s in self.specs], dtype=np.int64)
-        self._direct = [direct_index([self.specs[k] for k in m], opt, num_shards) for (_, opt, _), m in self._groups()]
+        self._direct = self._choose_indexes()
         self.groups = [
             RowGroup([self.specs[k] for k in m], opt, lr, direct=d)
             for ((_, opt, lr), m), d in zip(self._groups(), self._direct, strict=True)
         ]
         self._warned_full = False
+
+    def _choose_indexes(self) -> list[bool]:
+        """Each group's index, from the specs alone (nothing is allocated yet): direct while the direct indexes
+        together stay within 1/DIRECT_INDEX_SHARE of --max-table-bytes, else the hash index (see direct_index)."""
+        budget = self.config.max_table_bytes // DIRECT_INDEX_SHARE
+        out = []
+        for (_, opt, _), m in self._groups():
+            specs = [self.specs[k] for k in m]
+            direct = direct_index(specs, opt, self.num_shards, budget)
+            if direct:
+                budget -= direct_index_bytes(specs)
+            elif all(s.bounded for s in specs):
+                log.info(
+                    "shard %d: tables %s index their rows by hashing: a direct index of %d IDs would take %d bytes, "
+                    "over what --max-table-bytes %d leaves for one",
+                    self.index,
+                    ", ".join(s.name for s in specs),
+                    sum(s.num_embeddings for s in specs),
+                    direct_index_bytes(specs),
+                    self.config.max_table_bytes,
+                )
+            out.append(direct)
+        return out
 
     def _groups(self) -> list[tuple[tuple[int, str, float], list[int]]]:
         """Each group's kind (dim, row optimizer, rate) and tables."""
