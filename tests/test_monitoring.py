@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from paramserver import LocalCluster, ServerConfig
 from paramserver.errors import WrongJob
-from paramserver.server.metrics import cgroup_memory_limit, memory_limit
+from paramserver.metrics import cgroup_memory_limit, memory_limit
 from worker import PSClient
 
 yaml = pytest.importorskip("yaml", reason="PyYAML reads the alert rules (a dev dependency)")

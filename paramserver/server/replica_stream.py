@@ -311,7 +311,7 @@ class Follower:
         sock.sendall(_U64.pack(rec.version))
         rec.grad = grad
         try:
-            standby.apply_record(self.shard, rec, wal.encode(rec.version, rec.pushes, grad, rec.rows, rec.wall))
+            standby.apply_record(self.shard, rec, rec.encoded())
         except ValueError as exc:
             self.damaged = True
             raise ValueError(f"an update from the primary does not apply here: {exc}") from None

@@ -15,10 +15,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.config import ServerConfig, copy_dir
 from paramserver.coord import Etcd
+from paramserver.metrics import MetricsServer
 from paramserver.security import TokenAuth, read_token, server_credentials, server_ssl_context
 from paramserver.server.exchange import ExchangeHandler
 from paramserver.server.frame_service import FrameService
-from paramserver.server.metrics import MetricsServer
 from paramserver.server.replica import Replication
 from paramserver.server.service import Endpoints, ParameterServerServicer, add_to_server
 from paramserver.shard.state import Shard

@@ -1,26 +1,25 @@
-"""A shard's checkpoints: when one is due, the snapshot it takes, and the model a restarted shard resumes from.
+"""A shard's checkpoints and write-ahead log: when a checkpoint is due, the snapshot it takes, the model a restarted
+shard resumes from and the logged updates replayed over it.
 
-The file format and the background writer are paramserver.shard.checkpoint; this module ties them to a Shard.
+The file format and the background writer are paramserver.shard.checkpoint, the log's paramserver.shard.wal; this
+module ties them to a shard's state, handed in (it never takes the Shard itself).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import torch
 
 from paramserver.config import ServerConfig
 from paramserver.placement import place
 from paramserver.shard import checkpoint, wal
+from paramserver.shard.membership import AppliedLog
 from paramserver.shard.model import ShardModel, build_model
 from paramserver.shard.optimizers import take_run_settings
-from paramserver.shard.sparse import RowBlock
-
-if TYPE_CHECKING:
-    from paramserver.shard.state import Shard
+from paramserver.shard.update import Update, apply_update
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +28,8 @@ class Checkpoints:
     """A shard's checkpoint schedule (every N versions, or every N seconds), its background writer, and its
     write-ahead log (neither without a checkpoint_dir: then nothing is written, but the schedule still runs).
 
-    With a log, every applied version is logged (`log`) before the pushes it holds are acknowledged (`durable`),
+    A consumer of the shard's updates (paramserver.shard.update). With a log, every applied version is logged
+    (`logged`) before the pushes it holds are acknowledged (`durable`),
     a checkpoint starts a new log segment, and the segments it covers are deleted once it is on disk."""
 
     def __init__(self, config: ServerConfig) -> None:
@@ -66,11 +66,14 @@ class Checkpoints:
                     log.warning("shard %d: %s has no checkpoint to replay it over: deleted", index, path)
                 path.unlink(missing_ok=True)
 
-    def log(self, version: int, parts: Sequence[memoryview | bytes]) -> None:
-        """Log what `version` applies, as `wal.encode` wrote it (call under the shard's lock, in version order,
-        before the version shows)."""
+    def logged(self, update: Update) -> None:
+        """Log what `update` applies (a consumer of the shard's updates: under its lock, in version order, before
+        the version shows)."""
         if self.wal is not None:
-            self.wal.append(version, parts)
+            self.wal.append(update.version, update.encoded())
+
+    def applied(self, update: Update) -> None:
+        """Nothing: a checkpoint is taken when the shard's version shows (Shard.advance_locked)."""
 
     def log_full(self, model_bytes: int) -> bool:
         """Whether the log has grown past what a checkpoint costs (4x the shard's part, and at least 64 MB): then
@@ -96,12 +99,13 @@ class Checkpoints:
         """Whether the time-based schedule calls for a checkpoint."""
         return bool(self.every_seconds) and time.monotonic() - self._last >= self.every_seconds
 
-    def take(self, shard: Shard) -> bool:
-        """Hand a snapshot of `shard` to the writer (call under the shard's lock); return whether one was."""
+    def take(self, snapshot: Callable[[], checkpoint.Snapshot | None]) -> bool:
+        """Hand the writer what `snapshot` copies of the shard (None: it holds no model; called under the shard's
+        lock, and only where a writer will take it); return whether one was."""
         self._last = time.monotonic()
-        if self.writer is None or shard.model is None:
+        snap = snapshot() if self.writer is not None else None
+        if self.writer is None or snap is None:
             return False
-        snap = snapshot(shard)
         if self.wal is not None:
             self.wal.rotate(snap.version)
         self.writer.submit(snap)
@@ -112,12 +116,12 @@ class Checkpoints:
         if self.writer is not None:
             self.writer.flush()
 
-    def take_final(self, shard: Shard) -> bool:
+    def take_final(self, snapshot: Callable[[], checkpoint.Snapshot | None]) -> bool:
         """Take the one final checkpoint of a closing shard (under its lock); False if taken before or none."""
-        if self.writer is None or shard.model is None or self._final_written:
+        if self.writer is None or self._final_written:
             return False
         self._final_written = True
-        return self.take(shard)
+        return self.take(snapshot)
 
     def close(self) -> None:
         """Write what is queued and stop the writer, then the log."""
@@ -127,11 +131,17 @@ class Checkpoints:
             self.wal.close()
 
 
-def snapshot(shard: Shard) -> checkpoint.Snapshot:
-    """Copy everything needed to resume (call under the shard's lock, or on a quiet shard)."""
-    model = shard.model
-    if model is None:
-        raise ValueError(f"shard {shard.index} holds no model to snapshot")
+def snapshot(
+    model: ShardModel,
+    *,
+    index: int,
+    version: int,
+    optimizer: str,
+    ever_full: bool,
+    applied: AppliedLog,
+    finished_workers: int,
+) -> checkpoint.Snapshot:
+    """Copy everything needed to resume a shard holding `model` at `version` (under its lock, or on a quiet shard)."""
     state = model.optimizer.state_dict()
     copied = {
         "state": {
@@ -141,17 +151,17 @@ def snapshot(shard: Shard) -> checkpoint.Snapshot:
         "param_groups": [dict(g) for g in state["param_groups"]],
     }
     return checkpoint.Snapshot(
-        shard_index=shard.index,
+        shard_index=index,
         num_shards=model.placement.num_shards,
         specs=model.placement.specs,
         digest=model.digest,
-        version=shard.version,
-        optimizer=shard.config.optimizer,
+        version=version,
+        optimizer=optimizer,
         params=model.params.detach().clone(),
         optimizer_state=copied,
-        ever_full=shard.membership.ever_full,
-        applied=shard.applied.dump(),
-        finished_workers=shard.finished_workers,
+        ever_full=ever_full,
+        applied=applied.dump(),
+        finished_workers=finished_workers,
         table_specs=model.placement.tables,
         tables=model.tables.snapshot(),
     )
@@ -196,40 +206,22 @@ def model_of(config: ServerConfig, index: int, snap: checkpoint.Snapshot) -> Sha
     return model
 
 
-def apply_logged(shard: Shard, model: ShardModel, rec: wal.Record) -> bool:
-    """Apply one logged update to `model` and record its pushes as applied: the same gradient through the same
-    optimizer (deterministic on the CPU), so the state is exactly what the shard that logged it reached. False
-    (nothing applied) for a record of another model's size."""
-    if rec.grad.size != model.numel:
-        log.error(
-            "shard %d: the log's version %d has %d elements, the model %d",
-            shard.index,
-            rec.version,
-            rec.grad.size,
-            model.numel,
-        )
-        return False
-    grad = torch.from_numpy(rec.grad if rec.grad.flags.writeable else rec.grad.copy())
-    model.step(grad, shard.config.lr_at(rec.version))  # the rate it applied at: the schedule is one of versions
-    if model.tables:
-        rows = [RowBlock(b.table, b.ids.copy(), None if b.values is None else b.values.copy()) for b in rec.rows]
-        model.tables.apply(rows, rec.version, rec.wall)
-    for worker_id, step in rec.pushes:
-        shard.applied.record(worker_id, step)
-    return True
-
-
-def replay(shard: Shard, model: ShardModel, after: int) -> int:
-    """Apply the logged versions after `after` to `model` (restored from the checkpoint of `after`), recording
-    their pushes as applied; return the version reached."""
-    config = shard.config
+def replay(config: ServerConfig, index: int, model: ShardModel, applied: AppliedLog, after: int) -> int:
+    """Apply shard `index`'s logged versions after `after` to `model` (restored from the checkpoint of `after`)
+    through `apply_update`, as they first applied, recording their pushes in `applied`; return the version
+    reached. A record of another model's size ends the replay."""
     version = after
     if not config.checkpoint_dir:
         return version
-    for rec in wal.records(config.checkpoint_dir, shard.index, after):
-        if not apply_logged(shard, model, rec):
+    for update in wal.records(config.checkpoint_dir, index, after):
+        try:
+            apply_update(model, update, config.lr_at)
+        except ValueError as exc:
+            log.error("shard %d: the log does not fit the model: %s", index, exc)
             break
-        version = rec.version
+        for worker_id, step in update.pushes:
+            applied.record(worker_id, step)
+        version = update.version
     if version > after:
-        log.info("shard %d: replayed versions %d..%d from the write-ahead log", shard.index, after + 1, version)
+        log.info("shard %d: replayed versions %d..%d from the write-ahead log", index, after + 1, version)
     return version

@@ -1,11 +1,19 @@
 """What a primary's shard hands its updates to besides its own log: its backup, through the replication link
 (paramserver.server.replica_leader implements `Replicator`; paramserver.server.replica_outbox's `Forward` is a
-`Forwarded`). The shard knows only these shapes, so paramserver.shard never imports the server package."""
+`Forwarded`), and `ReplicaFeed`, the consumer of the shard's updates that hands them over. The shard knows only
+these shapes, so paramserver.shard never imports the server package."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from paramserver.shard import wal
+
+if TYPE_CHECKING:
+    from paramserver.shard.update import Update
 
 
 class Forwarded(Protocol):
@@ -45,3 +53,32 @@ class Replicator(Protocol):
     def wait_acked(self, version: int, timeout: float) -> bool:
         """Wait until every copy that must hold `version` does; False after `timeout` seconds."""
         return True
+
+
+_NO_GRAD = np.empty(0, dtype=np.float32)  # the gradient of a record whose pushes the backup has (forwarded)
+
+
+class ReplicaFeed:
+    """The consumer of a primary's updates that hands each to its backup (paramserver.shard.update.Consumer):
+    before it applies, under the shard's lock, in version order."""
+
+    def __init__(self, replicator: Replicator) -> None:
+        self.replicator = replicator
+
+    def logged(self, update: Update) -> None:
+        # The backup has every push of this update already (or is receiving them): name them, so only the record's
+        # head and rows travel now. Their mean is what a round applies (see SyncPolicy).
+        named = [f for f in update.forwards if f is not None]
+        if (
+            not update.pushes
+            or len(named) != len(update.pushes)
+            or not self.replicator.send_forwarded(
+                update.version,
+                named,
+                wal.encode(update.version, update.pushes, _NO_GRAD, update.rows, update.wall),
+            )
+        ):
+            self.replicator.send(update.version, update.encoded())
+
+    def applied(self, update: Update) -> None:
+        """Nothing: the backup acknowledges through `Replicator.wait_acked`."""

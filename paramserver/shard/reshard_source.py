@@ -7,16 +7,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 from paramserver.config import ServerConfig
 from paramserver.placement import place
 from paramserver.shard import checkpoint, persistence, wal
 from paramserver.shard.checkpoint import Snapshot
 from paramserver.shard.membership import AppliedLog
-
-if TYPE_CHECKING:
-    from paramserver.shard.state import Shard
 
 
 class ReshardError(ValueError):
@@ -29,15 +26,6 @@ class Part:
 
     snap: Snapshot
     replayed: int
-
-
-class _Replayer:
-    """What persistence.replay reads and writes of a Shard: its config, index and applied log."""
-
-    def __init__(self, config: ServerConfig, index: int, applied: dict[str, list[int]]) -> None:
-        self.config = config
-        self.index = index
-        self.applied = AppliedLog.restore(applied)
 
 
 # -- reading the source set --------------------------------------------------------------------------------------
@@ -79,15 +67,15 @@ def _replayed(source: Path, index: int, num_shards: int, version: int, config: S
     if found is None or found[1].version != version:
         raise ReshardError(f"the checkpoints of shard {index} in {source} changed while they were read")
     model, snap = found
-    replayer = _Replayer(config, index, snap.applied)
-    reached = persistence.replay(cast("Shard", replayer), model, version)
+    applied = AppliedLog.restore(snap.applied)
+    reached = persistence.replay(config, index, model, applied, version)
     state = model.optimizer.state_dict()
     after = dataclasses.replace(
         snap,
         version=reached,
         params=model.params.detach(),
         optimizer_state={"state": state["state"], "param_groups": state["param_groups"]},
-        applied=replayer.applied.dump(),
+        applied=applied.dump(),
         tables=model.tables.snapshot(),
     )
     return Part(after, reached - version)

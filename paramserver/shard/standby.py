@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from paramserver.shard import persistence, wal
+from paramserver.shard import persistence
 from paramserver.shard.checkpoint import Snapshot
 from paramserver.shard.membership import AppliedLog
+from paramserver.shard.update import Update
 
 if TYPE_CHECKING:
     from paramserver.shard.state import Shard
@@ -36,19 +37,17 @@ def install(shard: Shard, snap: Snapshot) -> None:
         shard.checkpoints.open_log(shard.index, shard.version)
 
 
-def apply_record(shard: Shard, rec: wal.Record, parts: Sequence[memoryview | bytes]) -> None:
-    """Apply one update a primary streamed (a backup), logging it first; ValueError where it does not follow
-    this copy's version or fit its model."""
+def apply_record(shard: Shard, update: Update, parts: Sequence[memoryview | bytes]) -> None:
+    """Apply one update a primary streamed (a backup) as the shard applies its own (`Shard.commit_locked`: logged
+    first, as the bytes `parts` that arrived); ValueError where it does not follow this copy's version or fit its
+    model."""
     with shard.lock:
-        model = shard.model
-        if model is None:
+        if shard.model is None:
             raise ValueError("an update before the state it applies to")
-        if rec.version != shard.version + 1:
-            raise ValueError(f"an update to version {rec.version} for a copy at version {shard.version}")
-        shard.checkpoints.log(rec.version, parts)
-        if not persistence.apply_logged(shard, model, rec):
-            raise ValueError(f"the update to version {rec.version} does not fit this copy's model")
-        shard.advance_locked(rec.version, model)
+        if update.version != shard.version + 1:
+            raise ValueError(f"an update to version {update.version} for a copy at version {shard.version}")
+        update.set_encoded(parts)
+        shard.commit_locked(update, record_pushes=True)
 
 
 def set_standby(shard: Shard, why: str) -> None:

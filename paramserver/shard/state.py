@@ -27,9 +27,9 @@ from paramserver.errors import (
     PullTimeout,
     StaleRound,
 )
+from paramserver.metrics import ShardMetrics
 from paramserver.placement import TensorSpec
-from paramserver.server.metrics import ShardMetrics
-from paramserver.shard import persistence, roster, status, wal
+from paramserver.shard import persistence, roster, status
 from paramserver.shard.attachments import Attachments, Ticket
 from paramserver.shard.checkpoint import Snapshot
 from paramserver.shard.consistency import make_policy
@@ -39,9 +39,10 @@ from paramserver.shard.membership import AppliedLog, Membership
 from paramserver.shard.model import ShardModel, piece_label
 from paramserver.shard.optimizers import make_optimizer, warm_up_optimizer
 from paramserver.shard.pool import BufferPool
-from paramserver.shard.replicator import Forwarded, Replicator
+from paramserver.shard.replicator import Forwarded, ReplicaFeed, Replicator
 from paramserver.shard.sparse import RowBlock
 from paramserver.shard.status import ShardStats, ShardStatus
+from paramserver.shard.update import Consumers, Update, apply_update
 from paramserver.tables import TableSpec
 
 # Where these lived before the shard was split by concern; imported from here by tests and tools.
@@ -59,8 +60,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_NO_GRAD = np.empty(0, dtype=np.float32)  # the gradient of a record whose pushes the backup has (forwarded)
-
 
 class Shard:
     """One shard of the parameter server: everything the servicer acts on."""
@@ -72,7 +71,8 @@ class Shard:
         self.replica_addresses: tuple[str, ...] = ()  # with replicas: every copy's, each shard's copies in turn
         # Non-empty while this process must not serve workers (a backup; a deposed primary): why, as they are told.
         self.standby = ""
-        self.replicator: Replicator | None = None
+        self._replicator: Replicator | None = None
+        self._replica_feed: ReplicaFeed | None = None
         self.replicated = False  # a copy that holds every acknowledged update (a backup that took over)
         self.version = 0
         self.membership = Membership(config.workers)
@@ -88,6 +88,11 @@ class Shard:
         self.finished_workers = 0
         self.done = threading.Event()  # set once every worker of the job finished and none is live
         self.metrics = ShardMetrics(index)
+        # Whatever must see each update, hooked around the one apply (paramserver.shard.update): the log first, the
+        # backup's link after it (`replicator`), then the metrics and whatever is added later (serving copies).
+        self.consumers = Consumers()
+        self.consumers.add(self.checkpoints)
+        self.consumers.add(self.metrics)
         self.metrics.watch_tables(lambda: self.model.tables.figures() if self.model is not None else [])
         self.attachments = Attachments(self, self._cond)  # each worker's segment or data-socket ticket
         # A new value each time a shard process starts: versions a worker waits for refer to one incarnation.
@@ -164,11 +169,26 @@ class Shard:
             self.membership.rejoin_all(snap.finished_workers)
             self.applied = AppliedLog.restore(snap.applied)
             self.finished_workers = snap.finished_workers
-            self.version = persistence.replay(self, model, snap.version)
+            self.version = persistence.replay(self.config, self.index, model, self.applied, snap.version)
             self.metrics.version.set(self.version)
             self.checkpoints.open_log(self.index, self.version)
         log.info("shard %d: restored version %d of model %s", self.index, snap.version, snap.digest[:12])
         return True
+
+    @property
+    def replicator(self) -> Replicator | None:
+        """Where this primary's updates go besides its log: its backup's link (None: no backup)."""
+        return self._replicator
+
+    @replicator.setter
+    def replicator(self, replicator: Replicator | None) -> None:
+        with self._cond:
+            if self._replica_feed is not None:
+                self.consumers.remove(self._replica_feed)
+            self._replicator = replicator
+            self._replica_feed = ReplicaFeed(replicator) if replicator is not None else None
+            if self._replica_feed is not None:
+                self.consumers.add(self._replica_feed, after=self.checkpoints)
 
     @property
     def durable(self) -> bool:
@@ -326,52 +346,45 @@ class Shard:
         waited: float | None = None,
         staleness: int | None = None,
     ) -> None:
-        """Apply one update with a flat gradient (its buffer elements carry values: see ShardModel.step) and row
-        gradients; called by the policy under the lock."""
-        model = self.model
-        assert model is not None
-        started = time.perf_counter()
-        version, wall = self.version + 1, time.time()
-        # Logged (and handed to the backup) before it applies and before the version shows: no worker hears of a
-        # version the log lacks.
-        if self.checkpoints.wal is not None or self.replicator is not None:
-            pushes = self._round_pushes
-            parts = wal.encode(version, pushes, grad.numpy(), rows, wall)
-            self.checkpoints.log(version, parts)
-            if self.replicator is not None:
-                # The backup has every push of this update already (or is receiving them): name them, so only
-                # the record's head and rows travel now. Their mean is what a round applies (see SyncPolicy).
-                forwards = [self._round_forwards.get(p) for p in pushes]
-                named = [f for f in forwards if f is not None]
-                if (
-                    not pushes
-                    or len(named) != len(forwards)
-                    or not self.replicator.send_forwarded(
-                        version, named, wal.encode(version, pushes, _NO_GRAD, rows, wall)
-                    )
-                ):
-                    self.replicator.send(version, parts)
+        """Apply the next version: a flat gradient (its buffer elements carry values: see ShardModel.step) and row
+        gradients, holding the pushes taken since the last; called by the policy under the lock."""
+        pushes = self._round_pushes
+        update = Update(
+            self.version + 1,
+            pushes,
+            grad.numpy(),
+            list(rows),
+            time.time(),
+            forwards=[self._round_forwards.get(p) for p in pushes],
+            waited=waited,
+            staleness=staleness,
+            straggler=None if straggler is None else self.membership.rank_of(straggler),
+        )
         self._round_pushes = []
         self._round_forwards = {}
-        model.step(grad, self.config.lr_at(version))
-        if model.tables:
-            model.tables.apply(rows, version, wall)
-        self.advance_locked(version, model)
-        m = self.metrics
-        m.apply_seconds.observe(time.perf_counter() - started)
-        if waited is not None:
-            m.round_wait.observe(waited)
-        if staleness is not None:
-            m.staleness.observe(staleness)
-        if straggler is not None:
-            m.straggler(self.membership.rank_of(straggler))
+        self.commit_locked(update)
+
+    def commit_locked(self, update: Update, record_pushes: bool = False) -> None:
+        """Make `update` the next version: its consumers' `logged` (the log, the backup: no worker hears of a version
+        they lack), the one apply, the version shown, their `applied`. `record_pushes`: record its pushes as applied
+        (a backup's; a live push is recorded when taken). ValueError, changing nothing, where it does not fit the
+        model. Call under the lock."""
+        model = self.model
+        if model is None or update.grad.size != model.numel:
+            raise ValueError(f"version {update.version} does not fit shard {self.index}'s model")
+        self.consumers.logged(update)
+        apply_update(model, update, self.config.lr_at)
+        if record_pushes:
+            for worker_id, step in update.pushes:
+                self.applied.record(worker_id, step)
+        self.advance_locked(update.version, model)
+        self.consumers.applied(update)
 
     def advance_locked(self, version: int, model: ShardModel) -> None:
         """Show `version` (applied and logged): wake the pulls waiting for it, and take a checkpoint when one is
         due (call under the lock)."""
         self.version = version
         self._cond.notify_all()
-        self.metrics.version.set(version)
         if self.checkpoints.due_at(version) or self.checkpoints.log_full(model.numel * 4):
             self.checkpoint_locked()
 
@@ -397,11 +410,25 @@ class Shard:
 
     def checkpoint_locked(self) -> None:
         """Hand a snapshot to the checkpoint writer now, if there is one (call under the lock)."""
-        self.stats.checkpoints += self.checkpoints.take(self)
+        self.stats.checkpoints += self.checkpoints.take(self._snapshot_or_none)
 
     def snapshot(self) -> Snapshot:
         """Copy everything needed to resume (call under the lock, or on a quiet shard)."""
-        return persistence.snapshot(self)
+        model = self.model
+        if model is None:
+            raise ValueError(f"shard {self.index} holds no model to snapshot")
+        return persistence.snapshot(
+            model,
+            index=self.index,
+            version=self.version,
+            optimizer=self.config.optimizer,
+            ever_full=self.membership.ever_full,
+            applied=self.applied,
+            finished_workers=self.finished_workers,
+        )
+
+    def _snapshot_or_none(self) -> Snapshot | None:
+        return self.snapshot() if self.model is not None else None
 
     def drain(self, grace: float) -> None:
         """Give a sync round that has some of its gradients up to `grace` seconds to close before stopping."""
@@ -420,7 +447,7 @@ class Shard:
         self.stop_waiting()
         with self._cond:
             self.attachments.clear()
-            self.stats.checkpoints += self.checkpoints.take_final(self)
+            self.stats.checkpoints += self.checkpoints.take_final(self._snapshot_or_none)
         self.checkpoints.close()
         self.maintenance.join(timeout=5)
 

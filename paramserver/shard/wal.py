@@ -1,9 +1,10 @@
 """A shard's write-ahead log: what each version applied, written before any push it holds is acknowledged.
 
-A record is one applied update: the version it made, the (worker, step) pushes it holds (so that a retry after a
-restart is still recognised), the flat gradient the optimizer got (for a sync round its mean, once, not each
-worker's), and the row gradients of the sparse tables. A restarted shard replays the records after its newest
-checkpoint through the same optimizer, which is deterministic on the CPU: it ends in exactly the state it had.
+A record is one applied update (paramserver.shard.update.Update): the version it made, the (worker, step) pushes it
+holds (so that a retry after a restart is still recognised), the flat gradient the optimizer got (for a sync round
+its mean, once, not each worker's), and the row gradients of the sparse tables. A restarted shard replays the
+records after its newest checkpoint through the same optimizer, which is deterministic on the CPU: it ends in
+exactly the state it had.
 
 Durability (`--wal-sync`): `write` hands each record to the kernel before the update is acknowledged, which
 survives a SIGKILL of the shard process (the page cache outlives it) but not a crash of the host; `fsync` also
@@ -33,13 +34,13 @@ import struct
 import threading
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from paramserver.files import shard_files
-from paramserver.shard.sparse import RowBlock
+from paramserver.shard.row_blocks import RowBlock
+from paramserver.shard.update import Update
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +50,6 @@ _HEAD = struct.Struct("<4sII")
 _TAIL = struct.Struct("<Q4s")
 _NAME = re.compile(r"^shard-(\d{3})-wal-v(\d{12})\.log$")
 MAX_HEADER = 1 << 24
-
-
-@dataclass
-class Record:
-    """One logged update."""
-
-    version: int
-    pushes: list[tuple[str, int]]  # the (worker_id, step) pushes this update holds
-    grad: np.ndarray  # flat float32
-    rows: list[RowBlock]
-    wall: float  # when it applied (time.time()): the rows' last update time, for age-based eviction
 
 
 def path_for(directory: Path, shard_index: int, start: int) -> Path:
@@ -225,7 +215,7 @@ def body_size(head: bytes, header: bytes) -> int:
 HEAD_BYTES = _HEAD.size
 
 
-def decode(data: memoryview, at: int = 0) -> tuple[Record, int] | None:
+def decode(data: memoryview, at: int = 0) -> tuple[Update, int] | None:
     """The record starting at byte `at` of `data` and the offset after it; None where no whole, intact record
     starts there (a torn tail). The arrays are views of `data`."""
     if at + _HEAD.size > len(data):
@@ -257,7 +247,7 @@ def decode(data: memoryview, at: int = 0) -> tuple[Record, int] | None:
         pushes = [(str(w), int(s)) for w, s in doc["pushes"]]
     except (KeyError, TypeError, ValueError):
         return None
-    return Record(int(doc["version"]), pushes, grad, rows, float(doc.get("time", 0.0))), body + _TAIL.size
+    return Update(int(doc["version"]), pushes, grad, rows, float(doc.get("time", 0.0))), body + _TAIL.size
 
 
 def _write_all(fd: int, parts: list[memoryview | bytes], total: int) -> None:
@@ -274,7 +264,7 @@ def _write_all(fd: int, parts: list[memoryview | bytes], total: int) -> None:
             views[0] = views[0][sent:]
 
 
-def records(directory: str | Path, shard_index: int, after: int) -> Iterator[Record]:
+def records(directory: str | Path, shard_index: int, after: int) -> Iterator[Update]:
     """The logged records of versions after `after`, in order, from every segment; stops at a torn or damaged
     record (logged and never acknowledged) or at a gap."""
     expected = after + 1
@@ -291,7 +281,7 @@ def records(directory: str | Path, shard_index: int, after: int) -> Iterator[Rec
             yield rec
 
 
-def _read(path: Path) -> Iterator[Record]:
+def _read(path: Path) -> Iterator[Update]:
     try:
         if not path.stat().st_size:
             return

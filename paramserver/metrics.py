@@ -1,4 +1,5 @@
-"""Prometheus metrics of one shard, on a registry of its own (several shards can share a process in tests).
+"""Prometheus metrics of one shard (the shard's state and its server both count), on a registry of its own (several
+shards can share a process in tests).
 
 Labels stay low-cardinality: the shard index, a result or reason from a fixed set, and worker ranks (bounded by
 the job's worker count), never worker ids. The registry also carries the standard process_* metrics (resident
@@ -9,13 +10,17 @@ compare the two (deploy/monitoring/alerts.yml).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from paramserver.shard.update import Update
 
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _STALENESS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128)
@@ -246,6 +251,22 @@ class ShardMetrics:
     def straggler(self, rank: int) -> None:
         self.stragglers.labels(self._shard, str(rank)).inc()
         self.last_straggler.set(rank)
+
+    # -- a consumer of the shard's updates (paramserver.shard.update.Consumer) --------------------------------------
+
+    def logged(self, update: Update) -> None:
+        """Nothing before an update applies."""
+
+    def applied(self, update: Update) -> None:
+        """Count what an update took: its apply time, the round's wait, the push's staleness, the straggler."""
+        self.apply_seconds.observe(time.perf_counter() - update.started)
+        self.version.set(update.version)
+        if update.waited is not None:
+            self.round_wait.observe(update.waited)
+        if update.staleness is not None:
+            self.staleness.observe(update.staleness)
+        if update.straggler is not None:
+            self.straggler(update.straggler)
 
 
 class MetricsServer:
