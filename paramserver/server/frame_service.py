@@ -34,17 +34,29 @@ class FrameService:
         kind = str(hello.WhichOneof("kind"))
         self.shard.attachments.verify(hello.worker_id, kind, hello.shared_memory.name, hello.nonce, close)
 
-    def payload_limit(self) -> int:
-        """The most payload bytes a data-socket frame may carry: the shard's part of the model in float32, and
-        MAX_ROWS_BYTES of rows where the model has tables."""
+    def payload_limit(self, request: ps_pb2.ExchangeRequest | None = None) -> int:
+        """The most payload bytes a data-socket frame carrying `request` may have (SPEC 10.3 and 16): the shard's part
+        of the model in float32, plus the bytes of the rows and IDs the request announces (at most MAX_ROWS_BYTES);
+        without a request (one that could not be decoded), MAX_ROWS_BYTES where the model has tables. Past it the
+        frame is RESOURCE_EXHAUSTED and its connection ends, whatever the push's compression."""
         model = self.shard.model
-        return 0 if model is None else model.numel * 4 + self.rows_payload_limit()
+        return 0 if model is None else model.numel * 4 + self.rows_payload_limit(request)
 
-    def rows_payload_limit(self) -> int:
+    def rows_payload_limit(self, request: ps_pb2.ExchangeRequest | None = None) -> int:
         """The most payload bytes a doorbell frame may carry (its dense part is in the segment): the rows and IDs
-        of a model with tables."""
+        `request` announces, of a model with tables."""
         model = self.shard.model
-        return MAX_ROWS_BYTES if model is not None and model.tables else 0
+        if model is None or not model.tables:
+            return 0
+        if request is None:
+            return MAX_ROWS_BYTES
+        specs = model.tables.specs
+        total = 0
+        for entries, values in ((request.rows, True), (request.lookup, False)):
+            for e in entries:
+                if e.table < len(specs):  # an unknown table is refused by the handler (InvalidArgument)
+                    total += e.count * (8 + (4 * specs[e.table].dim if values else 0))
+        return min(total, MAX_ROWS_BYTES)
 
     def exchange(self, request: ps_pb2.ExchangeRequest, timeout: float, payload: Payload) -> Reply:
         """An Exchange from a doorbell or data-socket connection: through the worker's segment, or with the

@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 # The most bytes of rows and IDs one request may carry (RESOURCE_EXHAUSTED beyond), checked before a shard
 # allocates the arrays to receive them: a frame's payload is not in memory when the message announcing it is read.
 MAX_ROWS_BYTES = 64 << 20
+# The most bytes of looked-up rows one reply may carry (RESOURCE_EXHAUSTED beyond, before anything is read or
+# applied): a request of 64 MiB of IDs would otherwise ask for 32x that in reply at dim 64. Over gRPC the reply must
+# also fit one message (max_message_bytes).
+MAX_LOOKUP_BYTES = 256 << 20
 
 
 @dataclass
@@ -247,9 +251,10 @@ class ShardTables:
     # -- requests ------------------------------------------------------------------------------------------------
 
     def plan(self, request_rows: Sequence[ps_pb2.Rows], request_lookups: Sequence[ps_pb2.Rows]) -> SparseIn:
-        """Arrays to receive a request's rows and lookups into; InvalidArgument for an unknown table or a count
-        past MAX_ROWS_BYTES (TooLarge), before anything is allocated. A group's blocks are slices of one buffer."""
-        total = 0
+        """Arrays to receive a request's rows and lookups into; InvalidArgument for an unknown table, TooLarge for a
+        count past MAX_ROWS_BYTES or looked-up rows past MAX_LOOKUP_BYTES, before anything is allocated. A group's
+        blocks are slices of one buffer."""
+        total = answer = 0
         for entry, values in [*((e, True) for e in request_rows), *((e, False) for e in request_lookups)]:
             if entry.table >= len(self.specs):
                 raise InvalidArgument(
@@ -257,10 +262,16 @@ class ShardTables:
                     + (f" ({', '.join(s.name for s in self.specs)})" if self.specs else "")
                 )
             total += entry.count * (8 + (4 * self.specs[entry.table].dim if values else 0))
+            answer += 0 if values else entry.count * 4 * self.specs[entry.table].dim
         if total > MAX_ROWS_BYTES:
             raise TooLarge(
                 f"{total} bytes of rows and IDs in one request, over the limit of {MAX_ROWS_BYTES}: send smaller "
                 "batches"
+            )
+        if answer > MAX_LOOKUP_BYTES:
+            raise TooLarge(
+                f"the rows looked up would take {answer} bytes in the reply, over the limit of {MAX_LOOKUP_BYTES}: "
+                "look up fewer IDs per call"
             )
         pushed = zip(request_rows, self._arrays(request_rows, True), strict=True)
         looked = zip(request_lookups, self._arrays(request_lookups, False), strict=True)

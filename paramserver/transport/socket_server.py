@@ -65,7 +65,8 @@ class FrameServer:
     With no `listener`, an abstract Unix socket of its own (no file to clean up): the doorbell, which takes hellos
     of shared-memory attachments. Otherwise the bound TCP socket given (the data socket), which takes data-socket
     tickets, each connection wrapped in TLS when `tls` is set. `payload_limit` says how many payload bytes a
-    request may carry: a frame announcing more ends its connection. At most `max_pending` connections may be
+    request may carry (given the decoded request, or None where it could not be decoded): a frame announcing more
+    ends its connection. At most `max_pending` connections may be
     still proving themselves at once; more are closed at once and counted through `on_refused(reason)`, as are
     handshakes that run out of time.
     """
@@ -78,7 +79,7 @@ class FrameServer:
         name: str = "",
         listener: socket.socket | None = None,
         tls: ssl.SSLContext | None = None,
-        payload_limit: Callable[[], int] = lambda: 0,
+        payload_limit: Callable[[ps_pb2.ExchangeRequest | None], int] = lambda request: 0,
         max_pending: int = 64,
         on_refused: Callable[[str], None] | None = None,
     ) -> None:
@@ -271,11 +272,17 @@ class FrameServer:
         unwatch: Callable[[], None],
     ) -> None:
         """Answer one request frame (its head read, its deadline set; its payload and end still to come)."""
+        try:
+            request: ps_pb2.ExchangeRequest | PSError = decode_message(EXCHANGE, message)  # garbage ends it now
+        except PSError as exc:  # a field past its bound: answered
+            request = exc
         if payload.size:
-            limit = self._payload_limit()
+            # The shard's part in float32 and the rows and IDs this request announces (SPEC 10.3 and 16).
+            limit = self._payload_limit(None if isinstance(request, PSError) else request)
             if payload.size > limit:
                 big = TooLarge(
-                    f"a payload of {payload.size} bytes is over this shard's {limit} (its part of the model)"
+                    f"a payload of {payload.size} bytes is over the {limit} this request may carry (the shard's part "
+                    "of the model in float32, and the rows and IDs the request announces)"
                 )
                 self._rejected("Exchange (socket)", big)
                 send_reply(conn, error_body(status_of(big, "Exchange (socket)")))
@@ -283,10 +290,6 @@ class FrameServer:
             if payload.size <= WAIT_WHOLE_BYTES:
                 payload.arrival = (FRAME_FLOOR_S, min(WAIT_WHOLE_BYTES, self._receive_buffer(conn) // 2))
         payload.on_end = unwatch  # a pull may then wait as long as it must
-        try:
-            request: ps_pb2.ExchangeRequest | PSError = decode_message(EXCHANGE, message)  # garbage ends it now
-        except PSError as exc:  # a field past its bound: answered
-            request = exc
         if not payload.size:
             payload.finish()  # the end of a frame without payload is checked before the frame is acted on
         body, reply = self._answer(worker_id, request, timeout, payload)
