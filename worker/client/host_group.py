@@ -19,15 +19,21 @@ is split among its processes exactly as N separate workers would split it.
 Every process of a group makes the same exchanges in the same order (they run the same loop); one that falls out
 of step, or a process that dies, ends the group: the others get GroupBroken (the socket tells at once), stop, and
 the leader leaves the job. A new `ps-worker --nproc N` resumes from the servers' state.
+
+The group's socket is visible to every process of the host, so the leader proves each connection before it counts
+it (worker/client/group_wire.py): the peer runs as the same user (SO_PEERCRED) and says the random token the
+launcher put in its children's environment; every message either way is decoded by one checked function. A
+connection that fails either is refused and closed, and the leader waits on for its members; a member the leader
+cannot serve once the group formed (a message it cannot take, a segment it cannot open, a process gone) makes every
+member fail at once with GroupBroken.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import secrets
 import socket
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,14 +44,16 @@ import numpy as np
 from paramserver import errors
 from paramserver.transport import shm
 from worker.client.binding import Binding
+from worker.client.group_wire import MAX_MESSAGE, BadMessage, GroupBroken, check_peer, recv, send
 
-ENV = "PS_HOST_GROUP"  # "<local rank>/<size>/<socket name>": set by ps-worker --nproc for each of its processes
-_LENGTH = struct.Struct("<I")
-MAX_MESSAGE = 1 << 16
+__all__ = ["ENV", "MAX_MESSAGE", "GroupBroken", "GroupSpec", "HostGroup"]
 
+log = logging.getLogger(__name__)
 
-class GroupBroken(ConnectionError):
-    """A process of this host's group is gone, or out of step: the group stops."""
+# "<local rank>/<size>/<token>/<socket name>": set by ps-worker --nproc for each of its processes. The token (random,
+# per group) proves a member is the launcher's child; the environment of a process is readable by its user alone.
+ENV = "PS_HOST_GROUP"
+HELLO_TIMEOUT = 10.0  # seconds a connection to the leader has to say its hello
 
 
 @dataclass(frozen=True)
@@ -55,61 +63,32 @@ class GroupSpec:
     local_rank: int
     size: int
     address: str  # an abstract Unix socket name (a NUL byte first): the leader listens, the members connect
+    token: str = ""  # the launcher's secret: a member proves it in its hello
 
     @classmethod
     def new(cls, size: int) -> list[GroupSpec]:
         """The specs of a new group of `size` processes."""
         address = f"\0paramserver-group-{os.getpid()}-{secrets.token_hex(8)}"
-        return [cls(i, size, address) for i in range(size)]
+        token = secrets.token_hex(16)
+        return [cls(i, size, address, token) for i in range(size)]
 
     def env(self) -> str:
-        return f"{self.local_rank}/{self.size}/{self.address[1:]}"
+        return f"{self.local_rank}/{self.size}/{self.token}/{self.address[1:]}"
 
     @classmethod
     def from_env(cls) -> GroupSpec | None:
         value = os.environ.get(ENV)
         if not value:
             return None
-        rank, size, name = value.split("/", 2)
-        return cls(int(rank), int(size), "\0" + name)
-
-
-def _gone(who: str) -> GroupBroken:
-    return GroupBroken(f"{who} is gone: this host's group stops (start ps-worker --nproc again to resume)")
-
-
-def _send(sock: socket.socket, doc: dict[str, Any], who: str = "the other end") -> None:
-    body = json.dumps(doc).encode()
-    try:
-        sock.sendall(_LENGTH.pack(len(body)) + body)
-    except OSError:  # a peer killed with our bytes unread resets the connection
-        raise _gone(who) from None
-
-
-def _recv_exact(sock: socket.socket, n: int, who: str) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        try:
-            chunk = sock.recv(n - len(data))
-        except OSError:  # a reset (the peer died with bytes of ours unread), not only an orderly close
-            raise _gone(who) from None
-        if not chunk:
-            raise _gone(who)
-        data += chunk
-    return bytes(data)
-
-
-def _recv(sock: socket.socket, who: str) -> dict[str, Any]:
-    (n,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size, who))
-    if n > MAX_MESSAGE:
-        raise GroupBroken(f"{who} sent a message of {n} bytes: not a process of this group")
-    doc: dict[str, Any] = json.loads(_recv_exact(sock, n, who))
-    return doc
+        parts = value.split("/", 3)
+        if len(parts) != 4 or not all(p.isdigit() for p in parts[:2]) or not parts[2] or not parts[3]:
+            raise ValueError(f"{ENV} is {value!r}, not <local rank>/<size>/<token>/<socket name> (set by --nproc)")
+        return cls(int(parts[0]), int(parts[1]), "\0" + parts[3], parts[2])
 
 
 def _raised(doc: dict[str, Any]) -> Exception:
     """The leader's error, as the member raises it: the same paramserver error type where it is one."""
-    kind, message = str(doc["error"]), str(doc.get("message", ""))
+    kind, message = doc["error"], doc["message"]
     cls = getattr(errors, kind, None)
     if isinstance(cls, type) and issubclass(cls, errors.PSError) and cls is not errors.RemoteError:
         return cls(message)
@@ -149,14 +128,17 @@ class HostGroup:
 
     def lead(self, rank: int, world: int, connect_timeout: float) -> tuple[int, int]:
         """The leader, joined as rank `rank` of `world` hosts: take every member's hello, tell each where the host
-        stands; return this process's (rank, world)."""
+        stands; return this process's (rank, world). A connection that is not a member of this group (another
+        user, a wrong token, a bad or repeated hello) is refused and closed, and the leader waits on for its
+        members."""
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        joined: dict[int, socket.socket] = {}
+        deadline = time.monotonic() + connect_timeout
         try:
             server.bind(self.spec.address)
             server.listen(self.size)
-            server.settimeout(connect_timeout)
-            joined: dict[int, socket.socket] = {}
             while len(joined) < self.size - 1:
+                server.settimeout(max(0.01, deadline - time.monotonic()))
                 try:
                     conn, _ = server.accept()
                 except TimeoutError:
@@ -164,19 +146,48 @@ class HostGroup:
                         f"{self.size - 1 - len(joined)} of this host's {self.size} processes did not join within "
                         f"{connect_timeout:.0f} s"
                     ) from None
-                conn.settimeout(connect_timeout)
-                local = int(_recv(conn, "a process of this host")["hello"])
-                if not 0 < local < self.size or local in joined:
-                    conn.close()
-                    raise GroupBroken(f"a process said it is local rank {local} of {self.size}, twice or out of range")
+                try:
+                    local = self._welcome(conn, joined, min(HELLO_TIMEOUT, max(0.01, deadline - time.monotonic())))
+                except GroupBroken as exc:
+                    log.warning("this host's group refused a connection: %s", exc)
+                    self._refuse(conn, exc)
+                    continue
                 joined[local] = conn
+            self._members = [joined[i] for i in range(1, self.size)]
+        except BaseException:
+            for conn in joined.values():
+                conn.close()
+            raise
         finally:
             server.close()
-        self._members = [joined[i] for i in range(1, self.size)]
         for conn in self._members:
             conn.settimeout(None)  # a member may compute for as long as its step takes
-            _send(conn, {"rank": rank, "world": world})
+            send(conn, {"rank": rank, "world": world})
         return rank * self.size, world * self.size
+
+    def _welcome(self, conn: socket.socket, joined: dict[int, socket.socket], timeout: float) -> int:
+        """A new connection's local rank, once it proved itself a member of this group (BadMessage otherwise)."""
+        who = "a process connecting to this host's group"
+        check_peer(conn, who)
+        conn.settimeout(timeout)
+        _, hello = recv(conn, ["hello"], who)
+        if not secrets.compare_digest(hello["token"].encode(), self.spec.token.encode()):
+            raise BadMessage(f"{who} did not give this group's token: not a process ps-worker --nproc started")
+        local = hello["hello"]
+        if not 0 < local < self.size or local in joined:
+            raise BadMessage(f"{who} said it is local rank {local} of {self.size}, twice or out of range")
+        return int(local)
+
+    @staticmethod
+    def _refuse(conn: socket.socket, why: Exception) -> None:
+        """Answer a refused connection why, and close it."""
+        try:
+            conn.settimeout(1.0)
+            send(conn, {"error": "GroupBroken", "message": f"refused: {why}"})
+        except (GroupBroken, OSError):
+            pass
+        finally:
+            conn.close()
 
     def follow(self, connect_timeout: float) -> tuple[int, int]:
         """A member: reach the leader (it may still be joining the job), say hello; return (rank, world)."""
@@ -194,9 +205,13 @@ class HostGroup:
                     ) from None
                 time.sleep(0.05)
         self._sock = sock
-        _send(sock, {"hello": self.spec.local_rank})
-        where = _recv(sock, "the group's first process")
-        return int(where["rank"]) * self.size + self.spec.local_rank, int(where["world"]) * self.size
+        leader = "the group's first process"
+        check_peer(sock, leader)
+        send(sock, {"hello": self.spec.local_rank, "token": self.spec.token}, leader)
+        kind, where = recv(sock, ["where", "error"], leader)
+        if kind == "error":
+            raise GroupBroken(f"{leader} refused this process: {where['message']}")
+        return where["rank"] * self.size + self.spec.local_rank, where["world"] * self.size
 
     # -- exchanges ---------------------------------------------------------------------------------------------
 
@@ -214,18 +229,21 @@ class HostGroup:
             offer = {"segment": seg.name, "nonce": seg.nonce.hex(), "elements": n}
         if grads is not None:
             np.concatenate(grads, out=seg.grad) if len(grads) > 1 else np.copyto(seg.grad, grads[0])
-        _send(
-            self._sock,
-            {"push": grads is not None, "pull": pull, "digest": b.digest, **offer},
-            "the group's first process",
-        )
-        reply = _recv(self._sock, "the group's first process")
-        if "error" in reply:
+        leader = "the group's first process"
+        send(self._sock, {"push": grads is not None, "pull": pull, "digest": b.digest, **offer}, leader)
+        kind, reply = recv(self._sock, ["told", "error"], leader)
+        if kind == "error":
             raise _raised(reply)
         if "weights" in reply:  # the leader's weights segment, new (the first pull, or another model)
             if self._weights is not None:
                 self._weights.close()
-            self._weights = shm.Segment.open(str(reply["weights"]), bytes.fromhex(reply["nonce"]), n)
+                self._weights = None
+            if "nonce" not in reply:
+                raise BadMessage(f"{leader} named its weights segment without its nonce")
+            try:
+                self._weights = shm.Segment.open(reply["weights"], bytes.fromhex(reply["nonce"]), n)
+            except Exception as exc:  # noqa: BLE001 - whatever the reason, this process cannot follow its group
+                raise GroupBroken(f"{leader}'s weights segment cannot be opened here: {exc}") from None
         if pull:
             assert self._weights is not None, "the leader sends its weights segment with the first pull"
             at = 0
@@ -233,7 +251,7 @@ class HostGroup:
                 flat[:] = self._weights.weights[at : at + len(flat)]
                 at += len(flat)
             b.unmirror_weights()
-        self.versions = [int(v) for v in reply["versions"]]
+        self.versions = list(reply["versions"])
         return int(reply["version"])
 
     def lead_exchange(
@@ -247,16 +265,13 @@ class HostGroup:
         """The leader's exchange: every member's gradient averaged with its own, `run` (the exchange with the
         shards) on the mean, the weights once into the weights segment every member reads."""
         n = sum(int(t.numel()) for t in b.tensors)
-        asked = []
-        for i, conn in enumerate(self._members, start=1):
-            doc = _recv(conn, f"process {i} of this host's group")
-            if "segment" in doc:
-                old = self._segments.pop(i, None)
-                if old is not None:
-                    old.close()
-                nonce, elements = bytes.fromhex(doc["nonce"]), int(doc["elements"])
-                self._segments[i] = shm.Segment.open(str(doc["segment"]), nonce, elements)
-            asked.append((doc["push"], doc["pull"], doc["digest"]))
+        try:
+            asked = [self._asked(i, conn) for i, conn in enumerate(self._members, start=1)]
+        except GroupBroken as exc:
+            # A member the leader cannot serve (gone, out of step, a message it cannot take, a segment it cannot
+            # open): every member is told at once, rather than left waiting for an answer.
+            self._tell_all({"error": "GroupBroken", "message": str(exc)})
+            raise
         mine = (grads is not None, pull, b.digest)
         if any(a != mine for a in asked) or any(self._segments[i].elements != n for i in range(1, self.size)):
             self._tell_all({"error": "GroupBroken", "message": "the group's processes are out of step"})
@@ -292,11 +307,30 @@ class HostGroup:
         self._tell_all(told)
         return version
 
+    def _asked(self, i: int, conn: socket.socket) -> tuple[bool, bool, str]:
+        """Member i's request for this exchange (its segment opened when it offers a new one); GroupBroken for
+        anything the leader cannot serve."""
+        who = f"process {i} of this host's group"
+        _, doc = recv(conn, ["ask"], who)
+        if "segment" in doc:
+            if "nonce" not in doc or "elements" not in doc:
+                raise BadMessage(f"{who} offered a segment without its nonce and elements")
+            old = self._segments.pop(i, None)
+            if old is not None:
+                old.close()
+            try:
+                self._segments[i] = shm.Segment.open(doc["segment"], bytes.fromhex(doc["nonce"]), doc["elements"])
+            except Exception as exc:  # noqa: BLE001 - whatever the reason, the group cannot go on without it
+                raise GroupBroken(f"{who}'s segment cannot be opened by the first process: {exc}") from None
+        elif i not in self._segments:
+            raise BadMessage(f"{who} asked for an exchange before offering its segment")
+        return doc["push"], doc["pull"], doc["digest"]
+
     def _tell_all(self, doc: dict[str, Any]) -> None:
         for conn in self._members:
             try:
-                _send(conn, doc)
-            except OSError:
+                send(conn, doc)
+            except (GroupBroken, OSError):
                 pass  # a member that is gone: the next exchange finds out
 
     def close(self) -> None:
