@@ -122,6 +122,16 @@ class _Stop:
             log.info("%sreceived %s, stopping", who, self.signal)
 
 
+def _warm_up(config: ServerConfig) -> threading.Thread:
+    """Build a throwaway optimizer while the peers are learnt (serve only once warm, so that no Init waits for it).
+    Started once the ports are bound, so that a port in use stops the process at once with no import under way;
+    joined before the process exits, whatever stops it: torch's import cut off by the interpreter's shutdown ends
+    in a traceback or an abort (and the thread is not a daemon, so even an unforeseen exit waits for it)."""
+    warm = threading.Thread(target=warm_up_optimizer, args=(config,), name="optimizer-warm-up", daemon=False)
+    warm.start()
+    return warm
+
+
 def run_one_shard(args: argparse.Namespace, config: ServerConfig) -> int:
     """Serve exactly one shard until SIGINT/SIGTERM."""
     import torch
@@ -145,11 +155,10 @@ def run_one_shard(args: argparse.Namespace, config: ServerConfig) -> int:
             )
         port = args.port if args.port is not None else int(peers[own].rsplit(":", 1)[1])
     stop = _Stop()
-    # While the server is built and the peers are learnt: serve only once warm, so that no Init waits for it.
-    warm = threading.Thread(target=warm_up_optimizer, args=(config,), name="optimizer-warm-up", daemon=True)
-    warm.start()
+    warm: threading.Thread | None = None
     try:
         server = ShardServer.create(config, index, args.host, port, copy)
+        warm = _warm_up(config)
         if args.peers_from_stdin:
             print(f"{PORT_LINE} {server.port}", flush=True)
             line = sys.stdin.readline()
@@ -164,6 +173,9 @@ def run_one_shard(args: argparse.Namespace, config: ServerConfig) -> int:
         else:
             print(f"ps-server: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if warm is not None:
+            warm.join()  # however this start ends: a thread cut off by the interpreter's shutdown dies loudly
     print(f"{READY_LINE} {server.port}", flush=True)
     deposed = server.replication.deposed if server.replication is not None else threading.Event()
     while not stop.wait(0.1):

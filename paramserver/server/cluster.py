@@ -75,6 +75,7 @@ class LocalCluster:
         self.addresses: list[str] = []
         self.servers: list[ShardServer] = []
         self.procs: list[subprocess.Popen[str]] = []
+        self._drains: list[threading.Thread] = []
         self._started = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -152,7 +153,9 @@ class LocalCluster:
         proc.stdin.close()
         self._expect(proc, READY_LINE, deadline)
         # Keep draining stdout so a chatty shard can never block on a full pipe.
-        threading.Thread(target=_drain, args=(proc,), name=f"shard{i}-stdout", daemon=True).start()
+        drain = threading.Thread(target=_drain, args=(proc,), name=f"shard{i}-stdout", daemon=True)
+        drain.start()
+        self._drains.append(drain)
 
     def restart(self, index: int) -> None:
         """Start shard process `index` again on its old port (after it died or was killed); it restores its
@@ -200,6 +203,8 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for drain in self._drains:  # each ends at its process's last line: none writes while this process exits
+            drain.join(timeout=5)
 
     def __enter__(self) -> LocalCluster:
         return self.start()
