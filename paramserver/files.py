@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-import threading
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -19,10 +19,9 @@ def atomic_write(path: str | Path, content: Content, *, durable: bool = False) -
     crash of the host, not only of this process, leaves the old file or the new one."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Hidden and unique to this writer: no reader lists it, no other writer of the same path takes it over.
-    tmp = target.with_name(f".{target.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    fd, tmp = temporary_beside(target)
     try:
-        with open(tmp, "wb") as f:
+        with open(fd, "wb") as f:
             if isinstance(content, bytes):
                 f.write(content)
             elif isinstance(content, str):
@@ -39,6 +38,19 @@ def atomic_write(path: str | Path, content: Content, *, durable: bool = False) -
     if durable:
         fsync_dir(target.parent)
     return target
+
+
+def temporary_beside(path: str | os.PathLike[str]) -> tuple[int, Path]:
+    """A new file beside `path` to write it in, then rename over it (os.replace): its descriptor, open for
+    writing, and its path. Hidden (no reader lists it) and unique to this writer, created exclusively: two
+    processes, on one host or two sharing the directory, writing the same path at once never share one."""
+    target = Path(path)
+    while True:
+        tmp = target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666), tmp
+        except FileExistsError:
+            continue
 
 
 def fsync_dir(directory: str | Path) -> None:

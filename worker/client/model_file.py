@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from paramserver.files import temporary_beside
 from paramserver.tables import Initialiser, TableSpec, shard_of
 from paramserver.v1 import ps_pb2
 from worker.client.sparse import SparseEmbedding, tables_of
@@ -88,7 +89,9 @@ def save(
 ) -> dict[str, int]:
     """Write `model` (registered with `client`) to `path`: its dense tensors and buffers as the shards hold them
     now, and every table's rows, one table at a time, each as one version of every shard. Written to a
-    `.partial` file first and renamed, so `path` is whole or absent. Returns rows written per table."""
+    temporary file of this writer's own beside `path` and renamed over it, so `path` is whole or absent, and
+    workers saving to one path at once each leave a whole file there (the last one renamed). Returns rows
+    written per table."""
     client.pull(model)
     dense = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
     tables = tables_of(model)
@@ -97,10 +100,9 @@ def save(
     layout = _Layout()
     reserved = _reserve(dense, tables, specs, shards, optimizer_state)
     data_at = 8 + len(reserved)
-    partial = f"{os.fspath(path)}.partial"
     written: dict[str, int] = {}
     segments: dict[str, list[int]] = {}
-    fd = os.open(partial, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
+    fd, partial = temporary_beside(path)
     try:
         for name, t in dense.items():
             at = layout.add(name, _code(t.dtype, name), list(t.shape), t.numel() * t.element_size())

@@ -180,7 +180,9 @@ class TrainConfig:
     save_model: str | None = config_field(
         None,
         "save the trained model to this safetensors file (PSClient.save): its weights, buffers and every table's "
-        "rows as the shards hold them at the end; worker.load(model, path) serves it without servers",
+        "rows as the shards hold them at the end; worker.load(model, path) serves it without servers. Written to a "
+        "temporary file of this worker's own, then renamed: workers given the same path each succeed, and it holds "
+        "the file of the last to finish",
     )
     tensorboard: str | None = config_field(
         None,
