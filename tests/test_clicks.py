@@ -118,6 +118,30 @@ def test_a_damaged_line_is_refused_naming_the_file_and_nothing_is_left(tmp_path:
     with pytest.raises(ValueError, match=message) as caught:
         prepare([str(day)], PrepareConfig(out=str(out), format="criteo", shards=2, progress=False))
     assert "day.tsv" in str(caught.value)
+    if "Criteo day file" not in message:  # pyarrow's own message names the row it choked on
+        assert "day.tsv" in str(caught.value) and ": line 31: " in str(caught.value), caught.value
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda fields: [*fields[:20], "xyz12345", *fields[21:]], r"day-2.tsv, column C7: line 1700: xyz12345 is not"),
+        (lambda fields: ["2", *fields[1:]], r"day-2.tsv: line 1700: the label 2 is not 0 or 1"),
+        (lambda fields: ["", *fields[1:]], r"day-2.tsv: line 1700: a missing label is not 0 or 1"),
+    ],
+)
+def test_a_damaged_line_far_into_the_second_file_is_named_by_its_line_in_that_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage, message
+) -> None:
+    # Blocks of 8 KiB (about 50 lines): the damaged line is in the file's 35th block, after a whole other file.
+    monkeypatch.setattr("worker.data.clicks.BLOCK_BYTES", 8 << 10)
+    first = _write(tmp_path / "day-1.tsv", _lines(500, 5))
+    lines = _lines(2000, 6)
+    lines[1699] = damage(lines[1699])
+    second = _write(tmp_path / "day-2.tsv", lines)
+    config = PrepareConfig(out=str(tmp_path / "out"), format="criteo", shards=2, progress=False)
+    with pytest.raises(ValueError, match=message):
+        prepare([str(first), str(second)], config)
 
 
 def test_several_sources_need_the_criteo_format(tmp_path: Path) -> None:
@@ -173,8 +197,8 @@ def test_a_table_with_a_label_other_than_0_or_1_or_an_unknown_column_is_refused(
     table = tmp_path / "t.csv"
     table.write_text("clicked,user,x\n2,a,1\n0,b,2\n1,c,3\n0,d,4\n")
     config = PrepareConfig(out=str(tmp_path / "o"), label="clicked", categorical="user", shards=1, progress=False)
-    with pytest.raises(ValueError, match="not 0 or 1"):
-        prepare(str(table), config)
+    with pytest.raises(ValueError, match=r"t.csv, column clicked: line 2: the label 2 is not 0 or 1"):
+        prepare(str(table), config)  # the file's line: the header is line 1
     with pytest.raises(ValueError, match="no column 'usr'"):
         prepare(str(table), PrepareConfig(out=str(tmp_path / "o"), label="clicked", categorical="usr", progress=False))
     assert not (tmp_path / "o" / "manifest.json").exists()

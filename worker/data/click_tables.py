@@ -127,12 +127,13 @@ class Table:
                 f"{self.url}: the dense columns must hold numbers ({exc}); name the others with --categorical"
             ) from None
 
-    def labels(self, batch: Any, where: str) -> np.ndarray:
+    def labels(self, batch: Any, where: str, first_line: int = 0) -> np.ndarray:
         from worker.data.clicks import checked_labels
 
-        return checked_labels(batch.column(self.label), f"{where}, column {self.label}")
+        header = 0 if self._parquet() else 1  # a CSV's first line names the columns: a row's line is one further
+        return checked_labels(batch.column(self.label), f"{where}, column {self.label}", first_line + header)
 
-    def ids(self, batch: Any, where: str) -> dict[str, Any]:
+    def ids(self, batch: Any, where: str, first_line: int = 0) -> dict[str, Any]:
         out: dict[str, Any] = {
             name: _one_hot(batch.column(name), f"{where}, column {name}") for name in self.categorical
         }

@@ -70,9 +70,10 @@ class _Distinct:
         return round((self.k - 1) / kth), False
 
 
-def hex_ids(column: Any, where: str) -> np.ndarray:
+def hex_ids(column: Any, where: str, first_line: int = 0) -> np.ndarray:
     """A pyarrow string column of 8-hex-digit hashes as int64 IDs (empty or null: MISSING_ID), vectorised over the
-    column's buffers; ValueError naming `where` for anything else."""
+    column's buffers; ValueError naming `where` and the file's line for anything else (`first_line`: the file's
+    lines before the column's first)."""
     import pyarrow as pa
 
     column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
@@ -87,12 +88,12 @@ def hex_ids(column: Any, where: str) -> np.ndarray:
     valid = ~column.is_null().to_numpy(zero_copy_only=False) & (lengths > 0)
     if (lengths[valid] != 8).any():
         bad = int(np.flatnonzero(valid & (lengths != 8))[0])
-        raise ValueError(f"{where}: line {bad + 1} of the block: {column[bad]} is not an 8-hex-digit hash")
+        raise ValueError(f"{where}: line {first_line + bad + 1}: {column[bad]} is not an 8-hex-digit hash")
     starts = offsets[:-1][valid]
     nibbles = _NIBBLE[data[starts[:, None] + np.arange(8)]]
     if (nibbles == 255).any():
         bad = int(np.flatnonzero(valid)[np.flatnonzero((nibbles == 255).any(1))[0]])
-        raise ValueError(f"{where}: line {bad + 1} of the block: {column[bad]} is not an 8-hex-digit hash")
+        raise ValueError(f"{where}: line {first_line + bad + 1}: {column[bad]} is not an 8-hex-digit hash")
     out = np.full(n, MISSING_ID, dtype=np.int64)
     out[valid] = (nibbles.astype(np.int64) << _SHIFTS).sum(1)
     return out
@@ -168,11 +169,13 @@ class ClickSource(Protocol):
     def dense_values(self, batch: Any) -> np.ndarray:
         """The dense features, transformed, float64 [n, len(dense)]."""
 
-    def labels(self, batch: Any, where: str) -> np.ndarray:
-        """int64 0/1 labels; ValueError naming `where` for anything else."""
+    def labels(self, batch: Any, where: str, first_line: int = 0) -> np.ndarray:
+        """int64 0/1 labels; ValueError naming `where` and the file's line for anything else (`first_line`: the
+        lines of `where` before the batch's first)."""
 
-    def ids(self, batch: Any, where: str) -> dict[str, Any]:
-        """Each feature's int64 IDs (a numpy array), or bags (a pyarrow list<int64> array) for a multi-hot one."""
+    def ids(self, batch: Any, where: str, first_line: int = 0) -> dict[str, Any]:
+        """Each feature's int64 IDs (a numpy array), or bags (a pyarrow list<int64> array) for a multi-hot one;
+        ValueError naming `where` and the file's line for a value that is no ID."""
 
 
 class Criteo:
@@ -199,18 +202,25 @@ class Criteo:
     def dense_values(self, batch: Any) -> np.ndarray:
         return _dense(batch)
 
-    def labels(self, batch: Any, where: str) -> np.ndarray:
-        return checked_labels(batch.column("label"), where)
+    def labels(self, batch: Any, where: str, first_line: int = 0) -> np.ndarray:
+        return checked_labels(batch.column("label"), where, first_line)
 
-    def ids(self, batch: Any, where: str) -> dict[str, Any]:
-        return {c: hex_ids(batch.column(c), f"{where}, column {c}") for c in CATEGORICAL}
+    def ids(self, batch: Any, where: str, first_line: int = 0) -> dict[str, Any]:
+        return {c: hex_ids(batch.column(c), f"{where}, column {c}", first_line) for c in CATEGORICAL}
 
 
-def checked_labels(column: Any, where: str) -> np.ndarray:
-    """A label column as int64 0/1; ValueError naming `where` for a missing label or any other value."""
+def checked_labels(column: Any, where: str, first_line: int = 0) -> np.ndarray:
+    """A label column as int64 0/1; ValueError naming `where` and the file's line (`first_line`: the file's lines
+    before the column's first) for a missing label or any other value."""
     y = column.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
-    if ((y != 0) & (y != 1)).any():
-        raise ValueError(f"{where}: a label that is not 0 or 1 (a click log's label says whether it was clicked)")
+    wrong = np.flatnonzero((y != 0) & (y != 1))
+    if len(wrong):
+        bad = int(wrong[0])
+        said = "a missing label" if column[bad].as_py() is None else f"the label {column[bad].as_py()}"
+        raise ValueError(
+            f"{where}: line {first_line + bad + 1}: {said} is not 0 or 1 (a click log's label says whether it was "
+            f"clicked; {len(wrong)} line(s) of this block have such labels)"
+        )
     return y
 
 
@@ -314,14 +324,17 @@ def _write(
     held = {s: [0] * n for s, n in plan.counts.items()}
     seen = {s: 0 for s in plan.counts}
     distinct = {f.name: _Distinct() for f in source.features}
-    lines = 0
+    lines, in_file, file = 0, 0, None  # lines so far; of them, those of the file the block is from
     try:
         for where, batch in source.blocks(False, bar):
+            if where != file:
+                in_file, file = 0, where
             test = (np.arange(lines, lines + batch.num_rows) % plan.every) == plan.every - 1
             lines += batch.num_rows
             x = ((source.dense_values(batch) - mean) / std).astype(np.float32)
-            y = source.labels(batch, where)
-            ids = source.ids(batch, where)
+            y = source.labels(batch, where, in_file)
+            ids = source.ids(batch, where, in_file)
+            in_file += batch.num_rows
             for split, rows in (("train", np.flatnonzero(~test)), ("test", np.flatnonzero(test))):
                 if split == "train":
                     for f in source.features:
