@@ -109,14 +109,16 @@ class TableSpec:
             )
         if not (math.isfinite(self.lr) and self.lr >= 0):
             problems.append(f"lr must be finite and >= 0 (0: the job's), not {self.lr}")
-        if self.admit_after < 0:
-            problems.append(f"admit_after must be >= 0, not {self.admit_after}")
+        if not 0 <= self.admit_after < 1 << 63:
+            problems.append(f"admit_after must be in 0..2^63-1, not {self.admit_after}")
         if not 0 < self.admit_probability <= 1:
             problems.append(f"admit_probability must be in (0, 1], not {self.admit_probability}")
         for name in ("evict_after_versions", "evict_after_seconds", "capacity"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 problems.append(f"{name} must be >= 0 (0: never), not {value}")
+            elif name != "evict_after_seconds" and value >= 1 << 63:  # held as int64 on the shard
+                problems.append(f"{name} must be at most 2^63-1 (0: never), not {value}")
         if problems:
             raise ValueError(f"table {self.name!r}: " + "; ".join(problems))
 

@@ -26,8 +26,9 @@ from paramserver.server.exchange import (
     WeightsSink,
     segment_route,
 )
+from paramserver.server.streams import SharedWeights, StreamGate, caps
 from paramserver.shard import schedules
-from paramserver.shard.export import export_rows
+from paramserver.shard.export import Exports, export_rows
 from paramserver.shard.given_rows import GivenRows
 from paramserver.shard.model import ShardModel
 from paramserver.shard.sparse import SparseIn
@@ -140,6 +141,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.handler = handler or ExchangeHandler(shard)
         self._init_stream = bounds.stream_decoder(ps_pb2.InitMessage, "Init")
         self._push_stream = bounds.stream_decoder(ps_pb2.PushMessage, "Push")
+        # Pull and ExportRows streams: capped, and cancelled when their reader stalls (paramserver.server.streams);
+        # exports of one table at one version share one copy.
+        self.streams = StreamGate(*caps(shard.config.workers))
+        self.exports = Exports()
 
     # Read (and, by tests, redirected) through the servicer; the ShardServer sets them in `endpoints`.
     @property
@@ -251,22 +256,28 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return math.inf if remaining is None else remaining
 
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        with rpc_errors(context, "Pull", self.handler.rejected):
+        with rpc_errors(context, "Pull", self.handler.rejected), self.streams.open(context, "Pull") as stream:
             want = Want(request.worker_id, None, min_version=request.min_version, incarnation=request.incarnation)
-            sink = LentWeights(wire_dtype(request.dtype))
+            sink = SharedWeights(wire_dtype(request.dtype), self.streams.weights)
             reply = self.handler.exchange(want, None, None, sink, self._timeout(context))
             try:
-                yield ps_pb2.PullMessage(header=reply.pulled).SerializeToString()
-                for piece, offset, data in sink.chunks():
-                    yield codec.encode_chunk(piece, offset, data)
+                yield from stream.sent(self._pulled(reply, sink))
             finally:
                 sink.release()
 
+    @staticmethod
+    def _pulled(reply: ps_pb2.ExchangeResponse, sink: LentWeights) -> Iterator[bytes]:
+        yield ps_pb2.PullMessage(header=reply.pulled).SerializeToString()
+        for piece, offset, data in sink.chunks():
+            yield codec.encode_chunk(piece, offset, data)
+
     def ExportRows(self, request: ps_pb2.ExportRowsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        with rpc_errors(context, "ExportRows", self.handler.rejected):
-            r = request
-            for message in export_rows(self.shard, r.model_digest, r.table, r.optimizer_state, r.header_only):
-                yield message.SerializeToString()
+        r = request
+        with rpc_errors(context, "ExportRows", self.handler.rejected), self.streams.open(context, "ExportRows") as s:
+            rows = export_rows(
+                self.shard, r.model_digest, r.table, r.optimizer_state, r.header_only, exports=self.exports
+            )
+            yield from s.sent(m.SerializeToString() for m in rows)
 
     def Push(
         self, request_iterator: Iterator[ps_pb2.PushMessage], context: grpc.ServicerContext
