@@ -144,6 +144,15 @@ def test_a_damaged_line_far_into_the_second_file_is_named_by_its_line_in_that_fi
         prepare([str(first), str(second)], config)
 
 
+@pytest.mark.parametrize("fraction,held", [(0.6, 600), (0.4, 400), (0.25, 250), (0.57, 570)])
+def test_the_held_out_fraction_is_the_one_asked(tmp_path: Path, fraction: float, held: int) -> None:
+    # Rounded to one line in k before: 0.6 and 0.4 of 1,000 lines both held out 500.
+    day = _write(tmp_path / "day.tsv", _lines(1000, 7))
+    config = PrepareConfig(out=str(tmp_path / "out"), format="criteo", test_fraction=fraction, progress=False)
+    manifest = prepare([str(day)], config)
+    assert (manifest.splits["test"].samples, manifest.splits["train"].samples) == (held, 1000 - held)
+
+
 def test_several_sources_need_the_criteo_format(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="only --format criteo takes several files"):
         prepare(["a.csv", "b.csv"], PrepareConfig(out=str(tmp_path / "out"), progress=False))

@@ -11,7 +11,9 @@ gzip, one or several files, their lines in the order given.
   the training lines with a k-minimum-values sketch of the IDs' mix64 hashes: exact below 4,096 distinct IDs, an
   estimate above (standard error about 1/sqrt(4,096) = 1.6 %; within 5 % in tests/test_clicks.py); `distinct_exact`
   says which.
-- The held-out split is every k-th line (k = 1 / --test-fraction, rounded): deterministic, and spread over the days.
+- The held-out split is --test-fraction of the lines exactly (to a line), spread evenly: line i (from 0) is held out
+  when floor((i + 1) f) > floor(i f), f the fraction as a ratio of integers (0.2: every 5th line; 0.6: 3 lines of
+  each 5); deterministic, and spread over the days.
 - Memory follows the block, not the input: the files are read twice as a stream of pyarrow CSV blocks (4 MiB of
   text each), the first pass for the dense statistics and the line count, the second to write. Each block's
   training lines are cut into `--shards` consecutive pieces, one appended to each shard file (as a Parquet row
@@ -26,6 +28,7 @@ import hashlib
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -224,6 +227,14 @@ def checked_labels(column: Any, where: str, first_line: int = 0) -> np.ndarray:
     return y
 
 
+def held_out(first: int, n: int, share: Fraction) -> np.ndarray:
+    """Which of lines first .. first + n - 1 (counted over all the input, from 0) are held out: line i when
+    floor((i + 1) share) > floor(i share), so any run of lines holds out `share` of them, to a line (integers: no
+    rounding of the fraction)."""
+    i = np.arange(first, first + n + 1, dtype=np.int64) * share.numerator // share.denominator
+    return np.diff(i) > 0
+
+
 def prepare_clicks(
     source: ClickSource,
     out: str,
@@ -235,7 +246,7 @@ def prepare_clicks(
     progress: bool,
 ) -> Manifest:
     """Prepare click logs into `shards` train shards and a test split under `out`; return the manifest."""
-    every = max(2, round(1 / test_fraction))
+    share = Fraction(test_fraction).limit_denominator(1 << 20)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -248,7 +259,7 @@ def prepare_clicks(
         # Pass 1: the dense statistics of the training lines, and the line count.
         total, squares, count, lines = np.zeros(width), np.zeros(width), 0, 0
         for _, batch in source.blocks(True, bar):
-            train = (np.arange(lines, lines + batch.num_rows) % every) != every - 1
+            train = ~held_out(lines, batch.num_rows, share)
             x = source.dense_values(batch)[train]
             total += x.sum(0)
             squares += np.square(x).sum(0)
@@ -261,7 +272,7 @@ def prepare_clicks(
         std = np.where(std > 1e-12, std, 1.0)
         test_count = min(test_shards or max(1, shards // 10), max(1, lines - count))
         with tempfile.TemporaryDirectory(prefix="ps-prepare-clicks-") as scratch:
-            plan = _Plan(Path(scratch), out, {"train": shards, "test": test_count}, every, compression)
+            plan = _Plan(Path(scratch), out, {"train": shards, "test": test_count}, share, compression)
             splits, distinct = _write(source, plan, mean, std, bar)
     finally:
         if bar is not None:
@@ -290,7 +301,7 @@ class _Plan:
     scratch: Path
     out: str
     counts: dict[str, int]  # shards per split
-    every: int  # every k-th line is held out
+    share: Fraction  # the held-out fraction of the lines (held_out)
     compression: str
 
 
@@ -329,7 +340,7 @@ def _write(
         for where, batch in source.blocks(False, bar):
             if where != file:
                 in_file, file = 0, where
-            test = (np.arange(lines, lines + batch.num_rows) % plan.every) == plan.every - 1
+            test = held_out(lines, batch.num_rows, plan.share)
             lines += batch.num_rows
             x = ((source.dense_values(batch) - mean) / std).astype(np.float32)
             y = source.labels(batch, where, in_file)

@@ -56,7 +56,11 @@ class PrepareConfig:
         "regression when the labels are floats",
         choices=("auto", *TASKS),
     )
-    test_fraction: float = config_field(0.2, "sources with no test split of their own: the share held out for test")
+    test_fraction: float = config_field(
+        0.2,
+        "sources with no test split of their own: the share held out for test, as asked (to a line; click logs: "
+        "spread evenly, 0.2 every fifth line, 0.6 three of each five)",
+    )
     seed: int = config_field(0, "seed of the held-out split of sources that have none")
     compression: str = config_field("zstd", "Parquet compression", choices=("zstd", "snappy", "gzip", "none"))
     categorical: str = config_field(
