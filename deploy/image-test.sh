@@ -137,7 +137,7 @@ for i in 0 1; do
     # a worker container has no shard to check (its health check would just report healthy)
     run_container "$RUN-worker-$i" --no-healthcheck --volume "$WORK/out:/out:U" "$IMAGE" \
         ps-worker --server "127.0.0.1:$P0" --model cnn --dataset digits --epochs "$EPOCHS" \
-        --metrics-out "/out/worker-$i.json" --no-progress
+        --metrics-out /out/worker.json --no-progress  # each rank's: worker-0.json, worker-1.json
 done
 for i in 0 1; do
     c=$RUN-worker-$i
@@ -148,11 +148,11 @@ ACCURACY_LINES=$("$PYTHON" - "$WORK/out" "$MIN_ACCURACY" <<'EOF'
 import json, pathlib, sys
 out, target = pathlib.Path(sys.argv[1]), float(sys.argv[2])
 bad = False
-for i in (0, 1):
-    m = json.loads((out / f"worker-{i}.json").read_text())
+for rank in (0, 1):
+    m = json.loads((out / f"worker-{rank}.json").read_text())
     acc = m["test_accuracy"]
     bad |= not acc >= target
-    print(f"    worker container {i} (rank {m['rank']}): {m['steps']} steps in {m['seconds']:.1f} s, "
+    print(f"    worker rank {m['rank']}: {m['steps']} steps in {m['seconds']:.1f} s, "
           f"final loss {m['final_loss']:.4f}, test accuracy {acc:.4f} ({m['mode']} mode)")
 sys.exit(1 if bad else 0)
 EOF

@@ -252,7 +252,7 @@ def test_two_ps_workers_train_what_one_process_trains_on_the_same_samples(tmp_pa
                     "--embedding-dim",
                     "8",
                     "--metrics-out",
-                    str(tmp_path / f"worker-{k}.json"),
+                    str(tmp_path / "worker.json"),  # each rank's: worker-0.json, worker-1.json
                     "--no-progress",
                 ]
             )

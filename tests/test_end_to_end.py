@@ -287,7 +287,7 @@ def test_ps_server_and_two_ps_workers_reach_the_accuracy_target(tmp_path, mode, 
                 address,
                 "--no-progress",
                 "--metrics-out",
-                str(tmp_path / f"w{i}.json"),
+                str(tmp_path / "w.json"),  # one path for both: each writes its rank's, w-0.json and w-1.json
             ]
             if i == 0:
                 cmd += ["--save-model", str(tmp_path / "model.safetensors")]
@@ -303,8 +303,8 @@ def test_ps_server_and_two_ps_workers_reach_the_accuracy_target(tmp_path, mode, 
         versions = _shard_versions(address)  # what every shard applied, once both workers are done
     finally:
         _stop_job(server, workers)
-    metrics = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
-    assert sorted(m["rank"] for m in metrics) == [0, 1]
+    metrics = [json.loads((tmp_path / f"w-{rank}.json").read_text()) for rank in range(2)]
+    assert [m["rank"] for m in metrics] == [0, 1] and not (tmp_path / "w.json").exists()
     for m in metrics:
         assert m["mode"] == mode and m["steps"] > 0 and 0 < m["samples"] <= m["steps"] * 32
         assert m["test_accuracy"] >= 0.95, m

@@ -89,7 +89,10 @@ class _Workers:
         return (self.tmp_path / f"{name}.log").read_text(errors="replace")
 
     def metrics(self, name: str) -> dict[str, Any]:
-        return json.loads((self.tmp_path / f"{name}.json").read_text())
+        """A worker's --metrics-out: NAME.json, or NAME-RANK.json in a job of several workers."""
+        found = [p for p in (self.tmp_path / f"{name}.json", *self.tmp_path.glob(f"{name}-[0-9]*.json")) if p.exists()]
+        assert len(found) == 1, found
+        return json.loads(found[0].read_text())
 
     def finish(self, name: str, timeout: float) -> dict[str, Any]:
         """Wait for a worker to end on its own; check it succeeded and return its metrics."""

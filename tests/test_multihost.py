@@ -177,7 +177,10 @@ class Job:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{name} still running after {timeout:.0f} s:\n{self.text(name)[-4000:]}") from None
         assert code == 0, f"{name} exited with {code}:\n{self.text(name)[-4000:]}"
-        return json.loads((self.dir / f"{name}.json").read_text())
+        # NAME.json, or NAME-RANK.json in a job of several workers
+        found = [p for p in (self.dir / f"{name}.json", *self.dir.glob(f"{name}-[0-9]*.json")) if p.exists()]
+        assert len(found) == 1, found
+        return json.loads(found[0].read_text())
 
     def stop_shards(self) -> list[int]:
         """SIGTERM both shards; return their exit codes."""

@@ -8,19 +8,20 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from paramserver.config import add_arguments, from_arguments
 from paramserver.errors import PSError
 from paramserver.procs import child_env, follow_parent
 from worker.client.host_group import ENV as GROUP_ENV
 from worker.client.host_group import GroupBroken, GroupSpec
+from worker.train.config import NUMBERED_ENV, numbered
 from worker.train.trainer import TrainConfig, train
 
 EPILOG = """\
 examples:
   ps-worker --server 127.0.0.1:50051                          the built-in CNN on the digits dataset
   ps-worker --server ps-0.ps:50051 --model mlp --epochs 20 --metrics-out run.json
+                                                              (in a job of several workers: run-RANK.json each)
   ps-worker --server HOST:PORT --model mypkg.models:make_net --dataset data.npz --save-model net.safetensors
   ps-worker --server HOST:PORT --nproc 4                      one process per GPU of this host (else 4 on the CPU),
                                                               one member of the job: gradients reduced on the host
@@ -107,11 +108,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _numbered(path: str, i: int) -> str:
-    p = Path(path)
-    return str(p.with_name(f"{p.stem}-{i}{p.suffix}"))
-
-
 def run_several(args: argparse.Namespace, argv: list[str]) -> int:
     """Start --nproc workers (this command without --nproc, each on its device and with its own output files),
     wait for all of them, and stop them all on Ctrl-C or SIGTERM; the exit status is the first failure's, else 0."""
@@ -128,10 +124,11 @@ def run_several(args: argparse.Namespace, argv: list[str]) -> int:
         extra = ["--device", f"cuda:{i}"] if gpus >= args.nproc else []
         for flag, value in (("--metrics-out", args.metrics_out), ("--plot", args.plot)):
             if value:
-                extra += [flag, _numbered(value, i)]
+                extra += [flag, numbered(value, i)]
         if args.save_model and (i == 0 or not groups):  # a group's model is its first process's
-            extra += ["--save-model", _numbered(args.save_model, i) if not groups else args.save_model]
+            extra += ["--save-model", numbered(args.save_model, i) if not groups else args.save_model]
         env = child_env()
+        env[NUMBERED_ENV] = "1"  # each process's files are numbered here, by its place on the host
         if groups:
             env[GROUP_ENV] = groups[i].env()
         cmd = [sys.executable, "-m", "worker.cli", *base, *extra]

@@ -174,7 +174,7 @@ def _run(args: argparse.Namespace, server_cmd: list[str], extra: list[str]) -> i
                     "--model",
                     args.model,
                     "--metrics-out",
-                    str(Path(tmp) / f"worker{i}.json"),
+                    str(Path(tmp) / "worker.json"),  # each rank's: worker-RANK.json (one worker: worker.json)
                     *extra,
                 ]
                 if args.no_progress:
@@ -187,7 +187,8 @@ def _run(args: argparse.Namespace, server_cmd: list[str], extra: list[str]) -> i
                 if code != 0:
                     print(f"worker {i} failed with exit status {code}", file=sys.stderr)
                     return 1
-            results = [json.loads((Path(tmp) / f"worker{i}.json").read_text()) for i in range(args.workers)]
+            names = ["worker.json"] if args.workers == 1 else [f"worker-{rank}.json" for rank in range(args.workers)]
+            results = [json.loads((Path(tmp) / name).read_text()) for name in names]
     except KeyboardInterrupt:
         print("\ninterrupted: stopping workers and servers", file=sys.stderr)
         return 130

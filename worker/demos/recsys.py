@@ -232,15 +232,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             ]
             print(f"$ ps-worker --server {address} {' '.join(worker_args)} (x{WORKERS})", flush=True)
             began = time.perf_counter()
-            for k in range(WORKERS):
-                out = ["--metrics-out", str(Path(tmp) / f"worker-{k}.json")]
+            for _ in range(WORKERS):
+                out = ["--metrics-out", str(Path(tmp) / "worker.json")]  # each rank's: worker-RANK.json
                 cmd = [sys.executable, "-m", "worker.cli", "--server", address, *worker_args, *out]
                 workers.append(subprocess.Popen(cmd))
             if any(w.wait() != 0 for w in workers):
                 print("recsys: a worker failed (see above)", file=sys.stderr)
                 return 1
             seconds = time.perf_counter() - began
-            metrics = [json.loads((Path(tmp) / f"worker-{k}.json").read_text()) for k in range(WORKERS)]
+            metrics = [json.loads((Path(tmp) / f"worker-{rank}.json").read_text()) for rank in range(WORKERS)]
         except KeyboardInterrupt:
             print("\ninterrupted: stopping workers and servers", file=sys.stderr)
             return 130

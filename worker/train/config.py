@@ -3,7 +3,9 @@ servers."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from paramserver.config import config_field
 from paramserver.wire import dtypes
@@ -166,7 +168,12 @@ class TrainConfig:
         None, "name to expect in the shards' certificates, when it is not the address's host"
     )
     auth_token_file: str | None = config_field(None, "file holding the job's shared bearer token")
-    metrics_out: str | None = config_field(None, "write a JSON summary of the run to this file")
+    metrics_out: str | None = config_field(
+        None,
+        "write a JSON summary of the run to this file; in a job of several workers each writes FILE-RANK.EXT, its "
+        "rank in the job before the extension (m.json: m-0.json, m-1.json, ...), so that workers given one path "
+        "keep every rank's summary",
+    )
     eval_every_epoch: bool = config_field(
         False,
         "test after every epoch, not only at the end (--metrics-out's eval_history: seconds, step and test "
@@ -230,3 +237,23 @@ class TrainConfig:
             evict_after_versions=self.evict_after_versions,
             capacity=self.table_capacity,
         )
+
+
+# Set by ps-worker --nproc in each process it starts: their output files are numbered already (-0, -1, ...: each
+# process's place on the host).
+NUMBERED_ENV = "PS_WORKER_OUTPUT_NUMBERED"
+
+
+def numbered(path: str, i: int) -> str:
+    """`path` with -i before its extension (m.json: m-1.json)."""
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}-{i}{p.suffix}"))
+
+
+def metrics_path(path: str, rank: int, world_size: int) -> str:
+    """Where a worker writes --metrics-out `path`: `path` itself in a job of one worker, and for a process of
+    ps-worker --nproc (its launcher numbered it); else -RANK before the extension, so that workers given one path
+    keep every rank's summary."""
+    if world_size <= 1 or os.environ.get(NUMBERED_ENV):
+        return path
+    return numbered(path, rank)

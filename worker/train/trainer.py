@@ -23,7 +23,7 @@ from worker.data.datasets import Dataset, open_dataset, steps_per_epoch
 from worker.data.stream import StreamedDataset
 from worker.models.builtin import build_model
 from worker.models.clicks import build_click_model
-from worker.train.config import TrainConfig
+from worker.train.config import TrainConfig, metrics_path
 from worker.train.gradients import compute_gradients, evaluate
 from worker.train.losses import LossStep, default_loss, resolve_loss, resolve_step
 from worker.train.overlap import Overlap
@@ -387,7 +387,7 @@ def train(
             client.save(model, config.save_model)
         client.leave(finished=True)
     if config.metrics_out:
-        write_json(config.metrics_out, metrics)
+        write_json(metrics_path(config.metrics_out, client.rank, client.world_size), metrics)
     if config.plot:
         from worker.train.plot import plot_history
 
