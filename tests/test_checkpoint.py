@@ -29,7 +29,8 @@ from paramserver.placement import TensorSpec, place
 from paramserver.server.cluster import LocalCluster
 from paramserver.shard import checkpoint
 from paramserver.shard.checkpoint import KEEP, LEGACY_MAGIC, CorruptCheckpoint, Snapshot
-from paramserver.shard.state import Shard, make_optimizer
+from paramserver.shard.optimizers import make_optimizer
+from paramserver.shard.state import Shard
 from worker.client import PSClient
 
 pytestmark = pytest.mark.timeout(30)

@@ -59,7 +59,8 @@ from paramserver.errors import NonFiniteGradient, NotAttached
 from paramserver.security import client_ssl_context
 from paramserver.server.cluster import LocalCluster
 from paramserver.server.shard_server import ShardServer
-from paramserver.shard.state import Shard, Ticket
+from paramserver.shard.attachments import Ticket
+from paramserver.shard.state import Shard
 from paramserver.transport import shm, socket_client, socket_server
 from paramserver.transport.socket_client import FrameClient
 from paramserver.v1 import ps_pb2, ps_pb2_grpc

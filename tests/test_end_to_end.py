@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from paramserver import LocalCluster, ServerConfig
 from paramserver.placement import SLICE_ELEMENTS
 from paramserver.server.cluster import PORT_LINE, READY_LINE
-from paramserver.shard.state import make_optimizer
+from paramserver.shard.optimizers import make_optimizer
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from worker import PSClient
 from worker.models.builtin import build_model

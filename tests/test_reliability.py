@@ -23,7 +23,8 @@ from paramserver.config import ServerConfig
 from paramserver.errors import ERROR_KEY, InvalidArgument, StaleRound, UnknownWorker
 from paramserver.placement import TensorSpec, place
 from paramserver.server.cluster import LocalCluster
-from paramserver.shard.state import BufferPool, Shard
+from paramserver.shard.pool import BufferPool
+from paramserver.shard.state import Shard
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from worker.client import PSClient
 

@@ -34,7 +34,8 @@ from paramserver.errors import ERROR_KEY, NonFiniteGradient, NotAttached
 from paramserver.placement import SLICE_ELEMENTS, TensorSpec, place
 from paramserver.server.cluster import LocalCluster
 from paramserver.server.shard_server import ShardServer
-from paramserver.shard.state import Shard, make_optimizer
+from paramserver.shard.optimizers import make_optimizer
+from paramserver.shard.state import Shard
 from paramserver.transport import shm
 from paramserver.transport.socket_client import FrameClient
 from paramserver.v1 import ps_pb2, ps_pb2_grpc

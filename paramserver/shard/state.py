@@ -30,33 +30,19 @@ from paramserver.errors import (
 from paramserver.metrics import ShardMetrics
 from paramserver.placement import TensorSpec
 from paramserver.shard import persistence, roster, status
-from paramserver.shard.attachments import Attachments, Ticket
+from paramserver.shard.attachments import Attachments
 from paramserver.shard.checkpoint import Snapshot
 from paramserver.shard.consistency import make_policy
 from paramserver.shard.initialise import InitSlot
 from paramserver.shard.maintenance import Maintenance
 from paramserver.shard.membership import AppliedLog, Membership
-from paramserver.shard.model import ShardModel, piece_label
-from paramserver.shard.optimizers import make_optimizer, warm_up_optimizer
+from paramserver.shard.model import ShardModel
 from paramserver.shard.pool import BufferPool
 from paramserver.shard.replicator import Forwarded, ReplicaFeed, Replicator
 from paramserver.shard.sparse import RowBlock
 from paramserver.shard.status import ShardStats, ShardStatus
-from paramserver.shard.update import Consumers, Update, apply_update
+from paramserver.shard.update import Consumers, PendingPushes, Update, apply_update
 from paramserver.tables import TableSpec
-
-# Where these lived before the shard was split by concern; imported from here by tests and tools.
-__all__ = [
-    "BufferPool",
-    "Shard",
-    "ShardModel",
-    "ShardStats",
-    "ShardStatus",
-    "Ticket",
-    "make_optimizer",
-    "piece_label",
-    "warm_up_optimizer",
-]
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +84,7 @@ class Shard:
         # A new value each time a shard process starts: versions a worker waits for refer to one incarnation.
         self.incarnation = uuid.uuid4().hex
         self.init_slot = InitSlot(self, self._cond)
-        self._round_pushes: list[tuple[str, int]] = []  # (worker, step) of the pushes the next update holds
-        self._round_forwards: dict[tuple[str, int], Forwarded] = {}  # those forwarded to the backup as they came
+        self._pending = PendingPushes()  # the pushes the next update holds
 
     # -- membership --------------------------------------------------------------------------------------------
 
@@ -229,8 +214,7 @@ class Shard:
         """Hold `model` at `version` from now on, with a fresh round and scratch pool (call under the lock)."""
         self.model = model
         self.version = version
-        self._drop_round_forwards()
-        self._round_pushes = []
+        self._pending.drop()
         self.policy.reset(model.numel)
         self._pool = BufferPool(self.config.max_concurrent_pushes, model.numel)
         self._cond.notify_all()
@@ -288,33 +272,19 @@ class Shard:
                 return self.version + self.policy.pending(worker_id), False
             model.tables.check_room(rows)
             key = (worker_id, step)
-            self._round_pushes.append(key)  # logged with the update that applies it
-            if forward is not None:
-                self._round_forwards[key] = forward
+            self._pending.add(key, forward)  # logged with the update that applies it
             try:
                 self.policy.submit(self, worker_id, base_version, torch.from_numpy(grad), lent=lent, rows=rows)
             except StaleRound:
-                self._forget(key)
+                self._pending.forget(key)
                 self.stats.late_pushes += 1
                 raise
             except BaseException:
-                self._forget(key)
+                self._pending.forget(key)
                 raise
             self.applied.record(worker_id, step)
             self.metrics.pushed("applied")
             return self.version, True
-
-    def _forget(self, key: tuple[str, int]) -> None:
-        """Take a push out of the open round (its submit failed; the caller aborts its forward)."""
-        if key in self._round_pushes:
-            self._round_pushes.remove(key)
-        self._round_forwards.pop(key, None)
-
-    def _drop_round_forwards(self) -> None:
-        """The open round is dropped unapplied: the backup drops its forwarded pushes too."""
-        forwards, self._round_forwards = self._round_forwards, {}
-        for f in forwards.values():
-            f.abort()
 
     @staticmethod
     def check_step(step: int) -> None:
@@ -348,20 +318,18 @@ class Shard:
     ) -> None:
         """Apply the next version: a flat gradient (its buffer elements carry values: see ShardModel.step) and row
         gradients, holding the pushes taken since the last; called by the policy under the lock."""
-        pushes = self._round_pushes
+        pushes, forwards = self._pending.take()
         update = Update(
             self.version + 1,
             pushes,
             grad.numpy(),
             list(rows),
             time.time(),
-            forwards=[self._round_forwards.get(p) for p in pushes],
+            forwards=forwards,
             waited=waited,
             staleness=staleness,
             straggler=None if straggler is None else self.membership.rank_of(straggler),
         )
-        self._round_pushes = []
-        self._round_forwards = {}
         self.commit_locked(update)
 
     def commit_locked(self, update: Update, record_pushes: bool = False) -> None:

@@ -119,3 +119,35 @@ class Consumers:
     def applied(self, update: Update) -> None:
         for c in self._all:
             c.applied(update)
+
+
+class PendingPushes:
+    """The (worker, step) pushes the next update will hold, in the order taken, and those of them forwarded to the
+    backup as they arrived."""
+
+    def __init__(self) -> None:
+        self._pushes: list[tuple[str, int]] = []
+        self._forwards: dict[tuple[str, int], Forwarded] = {}
+
+    def add(self, key: tuple[str, int], forward: Forwarded | None) -> None:
+        self._pushes.append(key)
+        if forward is not None:
+            self._forwards[key] = forward
+
+    def forget(self, key: tuple[str, int]) -> None:
+        """Take a push out (its submit failed; the caller aborts its forward)."""
+        if key in self._pushes:
+            self._pushes.remove(key)
+        self._forwards.pop(key, None)
+
+    def drop(self) -> None:
+        """The open round is dropped unapplied: the backup drops its forwarded pushes too."""
+        forwards, self._forwards, self._pushes = self._forwards, {}, []
+        for f in forwards.values():
+            f.abort()
+
+    def take(self) -> tuple[list[tuple[str, int]], list[Forwarded | None]]:
+        """The pushes and, for each, its forward (None: not forwarded), for the update about to apply; empty after."""
+        pushes, forwards = self._pushes, self._forwards
+        self._pushes, self._forwards = [], {}
+        return pushes, [forwards.get(p) for p in pushes]
