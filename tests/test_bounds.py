@@ -286,6 +286,16 @@ OVER: list[tuple[str, int, Callable[[Env], object]]] = [
     ),
     ("AttachRequest.nonce", 16, lambda e: _attach_grpc(e, nonce=secrets.token_bytes(17))),
     ("AttachRequest.model_digest", 64, lambda e: _attach_grpc(e, model_digest=_over(64))),
+    (
+        "FollowRequest.model_digest",
+        64,
+        lambda e: list(e.stub.Follow(ps_pb2.FollowRequest(model_digest=_over(64)), timeout=CALL_TIMEOUT)),
+    ),
+    (
+        "FollowRequest.incarnation",
+        64,
+        lambda e: list(e.stub.Follow(ps_pb2.FollowRequest(incarnation=_over(64)), timeout=CALL_TIMEOUT)),
+    ),
     ("ExchangeRequest.worker_id", 128, lambda e: _exchange(e, worker_id=_over(128))),
     ("ExchangeRequest.model_digest", 64, lambda e: _exchange(e, model_digest=_over(64))),
     ("ExchangeRequest.incarnation", 64, lambda e: _exchange(e, incarnation=_over(64))),

@@ -2,7 +2,8 @@
 while the next step computes, `SparseEmbedding` for embedding tables held by the shards, and the `ps-worker`
 training loop. For a model and a loop written for plain torch: `make_sparse` (its embeddings onto the shards),
 `PSOptimizer` (a torch.optim.Optimizer whose step is an exchange), `PSClient.save` and `load` (the trained model,
-tables included, in one safetensors file, served without servers).
+tables included, in one safetensors file, served without servers); `ServingClient` and `serve` read a model from
+serving copies that follow training (ps-serve).
 
 These names load on first use, so that what needs none of them (ps-prepare, which never trains) does not load
 torch: 1.9 s and about 200 MB of a ps-prepare process otherwise.
@@ -16,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from worker.client import PSClient
     from worker.client.model_file import load
+    from worker.client.serving import ServingClient, serve
     from worker.client.sparse import SparseEmbedding
     from worker.models.convert import make_sparse
     from worker.train.optimizer import PSOptimizer
     from worker.train.overlap import Overlap
 
-__all__ = ["Overlap", "PSClient", "PSOptimizer", "SparseEmbedding", "load", "make_sparse"]
+__all__ = ["Overlap", "PSClient", "PSOptimizer", "ServingClient", "SparseEmbedding", "load", "make_sparse", "serve"]
 
 _WHERE = {
     "PSClient": "worker.client",
@@ -30,6 +32,8 @@ _WHERE = {
     "PSOptimizer": "worker.train.optimizer",
     "make_sparse": "worker.models.convert",
     "load": "worker.client.model_file",
+    "ServingClient": "worker.client.serving",
+    "serve": "worker.client.serving",
 }
 
 

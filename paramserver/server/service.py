@@ -26,6 +26,7 @@ from paramserver.server.exchange import (
     WeightsSink,
     segment_route,
 )
+from paramserver.server.follow import Followers
 from paramserver.server.streams import SharedWeights, StreamGate, caps
 from paramserver.shard import schedules
 from paramserver.shard.export import Exports, export_rows
@@ -145,6 +146,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         # exports of one table at one version share one copy.
         self.streams = StreamGate(*caps(shard.config.workers))
         self.exports = Exports()
+        self.followers = Followers(shard)  # serving copies' feeds (ps-serve)
 
     # Read (and, by tests, redirected) through the servicer; the ShardServer sets them in `endpoints`.
     @property
@@ -278,6 +280,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 self.shard, r.model_digest, r.table, r.optimizer_state, r.header_only, exports=self.exports
             )
             yield from s.sent(m.SerializeToString() for m in rows)
+
+    def Follow(self, request: ps_pb2.FollowRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        with rpc_errors(context, "Follow", self.handler.rejected), self.followers.gate.open(context, "Follow") as s:
+            yield from s.sent(m.SerializeToString() for m in self.followers.follow(request))
 
     def Push(
         self, request_iterator: Iterator[ps_pb2.PushMessage], context: grpc.ServicerContext

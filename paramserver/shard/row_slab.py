@@ -68,6 +68,43 @@ class RowSlab:
             live = live & (self._slot_tags[: self._high] == tag)
         return np.flatnonzero(live)
 
+    def written_since(self, version: int, tag: int = 0) -> np.ndarray:
+        """The IDs of table `tag`'s rows last updated after `version`, ascending (a scan of every slot)."""
+        high = self._high
+        hit = self._live[:high] & (self._versions[:high] > version)
+        if self.tagged:
+            hit &= self._slot_tags[:high] == tag
+        return np.sort(self._slot_ids[:high][hit])
+
+    def page(self, tag: int, start: int, slots: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Table `tag`'s rows held in slots [start, start + slots): their IDs and values (copies), and the slot the
+        next page starts at (`end_slot` once there is none)."""
+        high = self._high
+        stop = min(high, start + slots)
+        held = np.flatnonzero(self._live[start:stop]) + start
+        if self.tagged and len(held):
+            held = held[self._slot_tags[held] == tag]
+        return self._slot_ids[held], self._gather(held), stop
+
+    def put(self, ids: np.ndarray, values: np.ndarray, tags: np.ndarray | None = None) -> None:
+        """Hold these unique IDs' rows with these values (a serving copy's: no optimizer step), overwriting the
+        rows held and placing the new ones."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        slots = self._index.get(ids, tags)
+        new = np.flatnonzero(slots < 0)
+        if len(new):
+            fresh = self._take_slots(len(new))
+            self._claim(fresh, ids[new], None if tags is None else tags[new])
+            slots[new] = fresh
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        rows = torch.from_numpy(values if values.flags.writeable else values.copy())
+        self._values.index_copy_(0, torch.from_numpy(slots.astype(np.int64, copy=False)), rows)
+
+    @property
+    def end_slot(self) -> int:
+        """The slot above every slot ever handed out (where `page` ends)."""
+        return self._high
+
     def _take_slots(self, n: int) -> np.ndarray:
         """n slots for new rows: released ones first, then fresh ones (growing the slab as needed)."""
         reused = min(n, self._nfree)

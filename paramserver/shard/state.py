@@ -38,6 +38,7 @@ from paramserver.shard.maintenance import Maintenance
 from paramserver.shard.membership import AppliedLog, Membership
 from paramserver.shard.model import ShardModel
 from paramserver.shard.pool import BufferPool
+from paramserver.shard.publication import Publication
 from paramserver.shard.replicator import Forwarded, ReplicaFeed, Replicator
 from paramserver.shard.sparse import RowBlock
 from paramserver.shard.status import ShardStats, ShardStatus
@@ -79,6 +80,7 @@ class Shard:
         self.consumers = Consumers()
         self.consumers.add(self.checkpoints)
         self.consumers.add(self.metrics)
+        self.publication = Publication(0, 0)  # what serving copies ask about (a model's tables once it has one)
         self.metrics.watch_tables(lambda: self.model.tables.figures() if self.model is not None else [])
         self.attachments = Attachments(self, self._cond)  # each worker's segment or data-socket ticket
         # A new value each time a shard process starts: versions a worker waits for refer to one incarnation.
@@ -155,6 +157,7 @@ class Shard:
             self.applied = AppliedLog.restore(snap.applied)
             self.finished_workers = snap.finished_workers
             self.version = persistence.replay(self.config, self.index, model, self.applied, snap.version)
+            self.publication.reset(self.version)
             self.metrics.version.set(self.version)
             self.checkpoints.open_log(self.index, self.version)
         log.info("shard %d: restored version %d of model %s", self.index, snap.version, snap.digest[:12])
@@ -217,6 +220,9 @@ class Shard:
         self._pending.drop()
         self.policy.reset(model.numel)
         self._pool = BufferPool(self.config.max_concurrent_pushes, model.numel)
+        self.consumers.remove(self.publication)
+        self.publication = Publication(len(model.tables.specs), version)
+        self.consumers.add(self.publication)
         self._cond.notify_all()
 
     # -- push --------------------------------------------------------------------------------------------------

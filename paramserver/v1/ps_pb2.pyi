@@ -286,6 +286,50 @@ class ExportRowsMessage(_message.Message):
     rows: ExportRowsMessage.Rows
     def __init__(self, header: _Optional[_Union[ExportRowsMessage.Header, _Mapping]] = ..., rows: _Optional[_Union[ExportRowsMessage.Rows, _Mapping]] = ...) -> None: ...
 
+class FollowRequest(_message.Message):
+    __slots__ = ("model_digest", "since_version", "incarnation", "wait_ms", "full")
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    model_digest: str
+    since_version: int
+    incarnation: str
+    wait_ms: int
+    full: bool
+    def __init__(self, model_digest: _Optional[str] = ..., since_version: _Optional[int] = ..., incarnation: _Optional[str] = ..., wait_ms: _Optional[int] = ..., full: _Optional[bool] = ...) -> None: ...
+
+class FollowMessage(_message.Message):
+    __slots__ = ("header", "dense", "rows")
+    class Header(_message.Message):
+        __slots__ = ("version", "full", "incarnation", "model_digest", "dense_elements")
+        VERSION_FIELD_NUMBER: _ClassVar[int]
+        FULL_FIELD_NUMBER: _ClassVar[int]
+        INCARNATION_FIELD_NUMBER: _ClassVar[int]
+        MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+        DENSE_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+        version: int
+        full: bool
+        incarnation: str
+        model_digest: str
+        dense_elements: int
+        def __init__(self, version: _Optional[int] = ..., full: _Optional[bool] = ..., incarnation: _Optional[str] = ..., model_digest: _Optional[str] = ..., dense_elements: _Optional[int] = ...) -> None: ...
+    class Dense(_message.Message):
+        __slots__ = ("offset", "data")
+        OFFSET_FIELD_NUMBER: _ClassVar[int]
+        DATA_FIELD_NUMBER: _ClassVar[int]
+        offset: int
+        data: bytes
+        def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    header: FollowMessage.Header
+    dense: FollowMessage.Dense
+    rows: Rows
+    def __init__(self, header: _Optional[_Union[FollowMessage.Header, _Mapping]] = ..., dense: _Optional[_Union[FollowMessage.Dense, _Mapping]] = ..., rows: _Optional[_Union[Rows, _Mapping]] = ...) -> None: ...
+
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "min_version", "dtype", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -449,3 +493,61 @@ class ExchangeResponse(_message.Message):
     rows: _containers.RepeatedCompositeFieldContainer[Rows]
     rows_version: int
     def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., pulled: _Optional[_Union[PullHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., rows: _Optional[_Iterable[_Union[Rows, _Mapping]]] = ..., rows_version: _Optional[int] = ...) -> None: ...
+
+class ServingIds(_message.Message):
+    __slots__ = ("table", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[ServingIds]
+    def __init__(self, tables: _Optional[_Iterable[_Union[ServingIds, _Mapping]]] = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("versions", "rows")
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    rows: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, versions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ServingPullRequest(_message.Message):
+    __slots__ = ("shard",)
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    def __init__(self, shard: _Optional[int] = ...) -> None: ...
+
+class ServingPullMessage(_message.Message):
+    __slots__ = ("header", "dense")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    header: FollowMessage.Header
+    dense: FollowMessage.Dense
+    def __init__(self, header: _Optional[_Union[FollowMessage.Header, _Mapping]] = ..., dense: _Optional[_Union[FollowMessage.Dense, _Mapping]] = ...) -> None: ...
+
+class ServingStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServingStatus(_message.Message):
+    __slots__ = ("versions", "ready", "model_digest", "tables", "specs", "shards", "silent_seconds")
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    SPECS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SILENT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    ready: bool
+    model_digest: str
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    shards: int
+    silent_seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, versions: _Optional[_Iterable[int]] = ..., ready: _Optional[bool] = ..., model_digest: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shards: _Optional[int] = ..., silent_seconds: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -87,6 +87,11 @@ class ParameterServerStub:
                 request_serializer=paramserver_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
                 response_deserializer=paramserver_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
                 _registered_method=True)
+        self.Follow = channel.unary_stream(
+                '/paramserver.v1.ParameterServer/Follow',
+                request_serializer=paramserver_dot_v1_dot_ps__pb2.FollowRequest.SerializeToString,
+                response_deserializer=paramserver_dot_v1_dot_ps__pb2.FollowMessage.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -182,6 +187,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Follow(self, request, context):
+        """Server stream: FollowMessage Header, then Dense, then Rows (a serving copy's feed, SPEC.md section 17).
+        FAILED_PRECONDITION before init, UNAVAILABLE on a backup (follow the primary), RESOURCE_EXHAUSTED past the
+        shard's followers at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +248,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Exchange,
                     request_deserializer=paramserver_dot_v1_dot_ps__pb2.ExchangeRequest.FromString,
                     response_serializer=paramserver_dot_v1_dot_ps__pb2.ExchangeResponse.SerializeToString,
+            ),
+            'Follow': grpc.unary_stream_rpc_method_handler(
+                    servicer.Follow,
+                    request_deserializer=paramserver_dot_v1_dot_ps__pb2.FollowRequest.FromString,
+                    response_serializer=paramserver_dot_v1_dot_ps__pb2.FollowMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -509,6 +528,195 @@ class ParameterServer:
             '/paramserver.v1.ParameterServer/Exchange',
             paramserver_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
             paramserver_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Follow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/paramserver.v1.ParameterServer/Follow',
+            paramserver_dot_v1_dot_ps__pb2.FollowRequest.SerializeToString,
+            paramserver_dot_v1_dot_ps__pb2.FollowMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ServingStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Lookup = channel.unary_unary(
+                '/paramserver.v1.Serving/Lookup',
+                request_serializer=paramserver_dot_v1_dot_ps__pb2.LookupRequest.SerializeToString,
+                response_deserializer=paramserver_dot_v1_dot_ps__pb2.LookupReply.FromString,
+                _registered_method=True)
+        self.Pull = channel.unary_stream(
+                '/paramserver.v1.Serving/Pull',
+                request_serializer=paramserver_dot_v1_dot_ps__pb2.ServingPullRequest.SerializeToString,
+                response_deserializer=paramserver_dot_v1_dot_ps__pb2.ServingPullMessage.FromString,
+                _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/paramserver.v1.Serving/Status',
+                request_serializer=paramserver_dot_v1_dot_ps__pb2.ServingStatusRequest.SerializeToString,
+                response_deserializer=paramserver_dot_v1_dot_ps__pb2.ServingStatus.FromString,
+                _registered_method=True)
+
+
+class ServingServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Lookup(self, request, context):
+        """Unary. Rows of tables by ID, each shard's at one version. INVALID_ARGUMENT for an unknown table or bad IDs,
+        UNAVAILABLE until ready, RESOURCE_EXHAUSTED for a reply over max_message_bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pull(self, request, context):
+        """Server stream: one shard's dense part (a header, then Dense messages), one version. UNAVAILABLE until ready.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """Unary. The copies' versions and the model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ServingServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=paramserver_dot_v1_dot_ps__pb2.LookupRequest.FromString,
+                    response_serializer=paramserver_dot_v1_dot_ps__pb2.LookupReply.SerializeToString,
+            ),
+            'Pull': grpc.unary_stream_rpc_method_handler(
+                    servicer.Pull,
+                    request_deserializer=paramserver_dot_v1_dot_ps__pb2.ServingPullRequest.FromString,
+                    response_serializer=paramserver_dot_v1_dot_ps__pb2.ServingPullMessage.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=paramserver_dot_v1_dot_ps__pb2.ServingStatusRequest.FromString,
+                    response_serializer=paramserver_dot_v1_dot_ps__pb2.ServingStatus.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'paramserver.v1.Serving', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('paramserver.v1.Serving', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Serving:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserver.v1.Serving/Lookup',
+            paramserver_dot_v1_dot_ps__pb2.LookupRequest.SerializeToString,
+            paramserver_dot_v1_dot_ps__pb2.LookupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/paramserver.v1.Serving/Pull',
+            paramserver_dot_v1_dot_ps__pb2.ServingPullRequest.SerializeToString,
+            paramserver_dot_v1_dot_ps__pb2.ServingPullMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserver.v1.Serving/Status',
+            paramserver_dot_v1_dot_ps__pb2.ServingStatusRequest.SerializeToString,
+            paramserver_dot_v1_dot_ps__pb2.ServingStatus.FromString,
             options,
             channel_credentials,
             insecure,

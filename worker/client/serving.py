@@ -1,0 +1,216 @@
+"""Reading a model from serving copies (ps-serve): `ServingClient` for lookups and pulls, `serve(model, address)` for a
+converted model (make_sparse, SparseEmbedding) whose forward reads its rows from them.
+
+A serving copy follows training (the rows trained a moment ago), never trains and never waits for the shards; each
+answer is every shard's at one version (`versions`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+from torch import nn
+
+from paramserver.errors import from_rpc_error
+from paramserver.placement import TensorSpec, place
+from paramserver.tables import TableSpec, spec_from_proto
+from paramserver.v1 import ps_pb2, ps_pb2_grpc
+from worker.client.sparse import SparseEmbedding, tables_of
+
+_OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
+
+
+class ServingClient:
+    """A connection to a ps-serve process at `address` ("host:port")."""
+
+    def __init__(self, address: str, timeout: float = 30.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self._stub = ps_pb2_grpc.ServingStub(self._channel)
+        self.versions: tuple[int, ...] = ()  # each shard's version, as the last answer gave them
+        self._status = self.wait_ready(timeout)
+        self.tables: dict[str, TableSpec] = {t.name: spec_from_proto(t) for t in self._status.tables}
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ServingClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.address) from None
+
+    def status(self) -> ps_pb2.ServingStatus:
+        """The copies' versions, readiness and model."""
+        status = self._call(self._stub.Status, ps_pb2.ServingStatusRequest())
+        self.versions = tuple(status.versions)
+        return status
+
+    def wait_ready(self, timeout: float) -> ps_pb2.ServingStatus:
+        """Wait until every shard's copy holds a whole version (TimeoutError after `timeout` seconds)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status = self._stub.Status(ps_pb2.ServingStatusRequest(), timeout=max(0.1, deadline - time.monotonic()))
+                if status.ready:
+                    self.versions = tuple(status.versions)
+                    return status
+            except grpc.RpcError as err:
+                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise from_rpc_error(err, self.address) from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the serving copies at {self.address} were not ready within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    @property
+    def version(self) -> int:
+        """The oldest shard copy's version (every shard's is at least this)."""
+        return min(self.status().versions, default=0)
+
+    def lookup_many(self, asked: Mapping[str, np.ndarray | torch.Tensor]) -> dict[str, np.ndarray]:
+        """Rows of several tables in one request, by table name: {name: float32 [len(ids), dim]}."""
+        names = list(asked)
+        ids = [np.ascontiguousarray(np.asarray(asked[n]), dtype="<i8").reshape(-1) for n in names]
+        request = ps_pb2.LookupRequest(
+            tables=[ps_pb2.ServingIds(table=n, ids=i.tobytes()) for n, i in zip(names, ids, strict=True)]
+        )
+        reply = self._call(self._stub.Lookup, request)
+        self.versions = tuple(reply.versions)
+        return {
+            n: np.frombuffer(raw, "<f4").reshape(len(i), self.tables[n].dim)
+            for n, i, raw in zip(names, ids, reply.rows, strict=True)
+        }
+
+    def lookup(
+        self, model: nn.Module | None, table: str | SparseEmbedding, ids: np.ndarray | torch.Tensor
+    ) -> torch.Tensor:
+        """The rows of `ids` in one table (by its name in `model`, or the SparseEmbedding itself), [*ids.shape, dim]."""
+        name = table if isinstance(table, str) else _name_in(model, table)
+        flat = np.asarray(ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids).reshape(-1)
+        rows = self.lookup_many({name: flat})[name]
+        return torch.from_numpy(rows.copy()).reshape(*np.shape(ids), -1)
+
+    def pull(self, model: nn.Module) -> tuple[int, ...]:
+        """Copy the served dense weights and buffers into `model` (the same architecture the job trains); return each
+        shard's version they are of."""
+        status = self.status()
+        state = model.state_dict()
+        specs = [TensorSpec(s.name, tuple(int(d) for d in s.shape), s.buffer) for s in status.specs]
+        missing = [sp.name for sp in specs if sp.name not in state or tuple(state[sp.name].shape) != sp.shape]
+        if missing:
+            raise ValueError(
+                f"the served model's tensors {missing[:5]} are not in this model as shaped there: build the model "
+                "the job trains"
+            )
+        placement = place(specs, status.shards, tables=tuple(self.tables.values()))
+        versions = []
+        with torch.no_grad():
+            for shard in range(status.shards):
+                version, flat = self._pull_shard(shard)
+                versions.append(version)
+                at = 0
+                for piece in placement.shards[shard]:
+                    target = state[piece.name].view(-1)[piece.start : piece.start + piece.length]
+                    target.copy_(torch.from_numpy(flat[at : at + piece.length]))
+                    at += piece.length
+        self.versions = tuple(versions)
+        return self.versions
+
+    def _pull_shard(self, shard: int) -> tuple[int, np.ndarray]:
+        try:
+            messages = iter(self._stub.Pull(ps_pb2.ServingPullRequest(shard=shard), timeout=self.timeout))
+            head = next(messages).header
+            flat = np.empty(head.dense_elements, np.float32)
+            for m in messages:
+                data = np.frombuffer(m.dense.data, "<f4")
+                flat[m.dense.offset : m.dense.offset + len(data)] = data
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.address) from None
+        return head.version, flat
+
+
+def _name_in(model: nn.Module | None, table: SparseEmbedding) -> str:
+    for name, module in tables_of(model) if model is not None else []:
+        if module is table:
+            return name
+    raise ValueError("the table is not one of the model's SparseEmbeddings: name it instead")
+
+
+class ServedRows:
+    """A table's rows read from serving copies (a RowSource: worker.client.sparse), with a cache of the rows read
+    that holds for one version: emptied once an answer shows another, and checked at most every `refresh` s."""
+
+    trains = False
+
+    def __init__(self, client: ServingClient, name: str, refresh: float = 0.05, cache_rows: int = 1 << 20) -> None:
+        self.client = client
+        self.name = name
+        self.refresh = refresh
+        self.cache_rows = cache_rows
+        self._cache: dict[int, np.ndarray] = {}
+        self._versions: tuple[int, ...] = ()
+        self._checked = 0.0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        with self._lock:
+            if time.monotonic() - self._checked > self.refresh:
+                self._valid_for(tuple(self.client.status().versions))
+            cached = [self._cache.get(int(i)) for i in ids]
+            missing = [k for k, row in enumerate(cached) if row is None]
+            self.hits += len(ids) - len(missing)
+            self.misses += len(missing)
+            if missing:
+                rows = self.client.lookup_many({self.name: ids[missing]})[self.name]
+                self._valid_for(self.client.versions)
+                if len(self._cache) + len(missing) <= self.cache_rows:
+                    for k, row in zip(missing, rows, strict=True):
+                        self._cache[int(ids[k])] = row
+                for k, row in zip(missing, rows, strict=True):
+                    cached[k] = row
+            return (
+                np.stack([c for c in cached if c is not None])
+                if len(ids)
+                else np.empty((0, self.client.tables[self.name].dim), np.float32)
+            )
+
+    def _valid_for(self, versions: tuple[int, ...]) -> None:
+        if versions != self._versions:
+            self._cache.clear()
+            self._versions = versions
+        self._checked = time.monotonic()
+
+
+def serve(model: nn.Module, address: str | ServingClient, refresh: float = 0.05) -> nn.Module:
+    """Make a converted model (make_sparse, SparseEmbedding) read from the serving copies at `address`: its dense
+    weights pulled now, each table's rows looked up as forward passes need them (a cache per table that holds for
+    one version, checked every `refresh` s). Returns the model; call again (or `client.pull(model)`) to refresh the
+    dense weights."""
+    client = address if isinstance(address, ServingClient) else ServingClient(address)
+    mine = dict(tables_of(model))
+    if set(mine) != set(client.tables):
+        raise ValueError(
+            f"the served model holds tables {sorted(client.tables)}, this model {sorted(mine)}: build the model the "
+            "job trains (converted with make_sparse as it was)"
+        )
+    client.pull(model)
+    for name, module in mine.items():
+        module.attach(ServedRows(client, name, refresh))
+        module.given = None
+    return model
