@@ -1,11 +1,11 @@
 """Shard processes of ps-server that stop on an error, many at a time (run as a script by test_stop_on_error.py).
 
 Each case is one shard process as ps-server --shards N starts it (--peers-from-stdin), in one of two ways to fail:
-`taken` (its port is in use: it says so and exits 2) or `stopped` (it serves its port, then is told to stop while it
-waits for its peers, `delay` seconds after it said its port, as ps-server stops the others when one shard fails:
-SIGTERM and its stdin closed; it exits 0). Every case is forked from this process once it has imported ps-server's
-modules, torch among them, so a case costs only what follows the import (the optimizer's warm-up included), and each
-ends as a process does, through the interpreter's shutdown.
+`taken` (its port is in use: it says so and exits 2; four cases in five) or `stopped` (every fifth case: it serves
+its port, then is told to stop while it waits for its peers, `delay` seconds after it said its port, as ps-server
+stops the others when one shard fails: SIGTERM and its stdin closed; it exits 0). Every case is forked from this
+process once it has imported ps-server's modules, torch among them, so a case costs only what follows the import
+(the optimizer's warm-up included), and each ends as a process does, through the interpreter's shutdown.
 
     python tests/stop_harness.py TAKEN_PORT CASES BATCH   ->   one JSON line a case: kind, delay, status, out, err
 """
@@ -31,8 +31,8 @@ class Case:
     """One forked shard process and the ends of its pipes this process keeps."""
 
     def __init__(self, number: int, taken: int) -> None:
-        self.kind = "taken" if number % 2 == 0 else "stopped"
-        self.delay = DELAYS[(number // 2) % len(DELAYS)]
+        self.kind = "stopped" if number % 5 == 4 else "taken"
+        self.delay = DELAYS[(number // 5) % len(DELAYS)]
         port = taken if self.kind == "taken" else 0
         stdin_r, self.stdin = os.pipe()
         self.stdout, stdout_w = os.pipe()

@@ -31,7 +31,7 @@ def busy_host() -> Iterator[None]:
 
 
 def test_shards_stopping_on_an_error_print_no_traceback_under_load(busy_host):
-    # Half the cases find their port taken; the others are told to stop while the optimizer's warm-up runs, as
+    # Four cases in five find their port taken; the others are told to stop while the optimizer's warm-up runs, as
     # ps-server --shards 2 stops its other shard when one port is taken (tests/stop_harness.py).
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
