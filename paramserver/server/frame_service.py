@@ -51,11 +51,14 @@ class FrameService:
         if request is None:
             return MAX_ROWS_BYTES
         specs = model.tables.specs
+        widest = max(s.dim for s in specs)
         total = 0
         for entries, values in ((request.rows, True), (request.lookup, False)):
             for e in entries:
-                if e.table < len(specs):  # an unknown table is refused by the handler (InvalidArgument)
-                    total += e.count * (8 + (4 * specs[e.table].dim if values else 0))
+                # An unknown table is refused by the handler (InvalidArgument, the connection in step): its rows are
+                # allowed the widest table's bytes here, so that the refusal is that one and not this bound's.
+                dim = specs[e.table].dim if e.table < len(specs) else widest
+                total += e.count * (8 + (4 * dim if values else 0))
         return min(total, MAX_ROWS_BYTES)
 
     def exchange(self, request: ps_pb2.ExchangeRequest, timeout: float, payload: Payload) -> Reply:
