@@ -36,6 +36,7 @@ pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installe
 
 SHARD = {"app.kubernetes.io/component": "shard"}
 WORKER = {"app.kubernetes.io/component": "worker"}
+SERVING = {"app.kubernetes.io/component": "serving"}
 COORDINATOR = {"app.kubernetes.io/component": "coordinator"}
 IMAGE_UID = 10001
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
@@ -135,9 +136,10 @@ def labels_match(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 def parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
     from paramserver.server.cli import build_parser as server_parser
+    from paramserver.serving.cli import build_parser as serving_parser
     from worker.cli import build_parser as worker_parser
 
-    return {"ps-server": server_parser, "ps-worker": worker_parser}
+    return {"ps-server": server_parser, "ps-worker": worker_parser, "ps-serve": serving_parser}
 
 
 def option_strings(program: str) -> set[str]:
@@ -194,6 +196,8 @@ def parse(program: str, argv: list[str]) -> argparse.Namespace:
             args = parsers()[program]().parse_args(argv)
         except SystemExit:
             pytest.fail(f"{program} refuses {argv}:\n{err.getvalue()}")
+    if program == "ps-serve":  # no config dataclass: its parser is all it has
+        return args
     try:
         from_arguments(ServerConfig if program == "ps-server" else TrainConfig, args)
     except ValueError as exc:
@@ -225,6 +229,11 @@ def shard_jobs(r: Rendered) -> list[dict[str, Any]]:
     return sorted(found, key=lambda j: resolved_job(r, j)[1].replica_index)
 
 
+def serving_deployments(r: Rendered) -> list[dict[str, Any]]:
+    """components/serving's Deployment (ps-serve), where the overlay has it."""
+    return [d for d in r.all("Deployment") if labels_match(SERVING, pod_labels(d))]
+
+
 def replicas(r: Rendered) -> int:
     return int(resolved_job(r, shard_jobs(r)[0])[1].replicas)
 
@@ -233,7 +242,7 @@ def ps_containers(r: Rendered) -> Iterator[tuple[dict[str, Any], dict[str, Any],
     for w in workloads(r):
         for c in containers(w):
             program, argv = invocation(c)
-            if program in ("ps-server", "ps-worker"):
+            if program in parsers():
                 yield w, c, program, argv
 
 
@@ -381,7 +390,7 @@ def test_every_command_line_is_accepted(rendered: Rendered) -> None:
         assert not unresolved, f"{c['name']}: $(VAR) references without an env var: {unresolved}"
         parse(program, args)
         seen.add(program)
-    assert seen == {"ps-server", "ps-worker"}
+    assert seen == {"ps-server", "ps-worker"} | ({"ps-serve"} if serving_deployments(rendered) else set())
 
 
 def test_configmap_keys_are_flags_of_the_commands_that_read_them(rendered: Rendered) -> None:
@@ -416,7 +425,7 @@ def test_the_server_configmap_holds_only_ps_server_flags(rendered: Rendered) -> 
 
 
 def test_one_image_for_shards_and_workers(rendered: Rendered) -> None:
-    ours = [*shard_jobs(rendered), rendered.job(WORKER)]
+    ours = [*shard_jobs(rendered), rendered.job(WORKER), *serving_deployments(rendered)]
     images = {c["image"] for w in ours for c in containers(w)}
     assert len(images) == 1, images
     # Anything else (the replicated overlay's etcd) is a released image, pinned: a tag that is not latest.
@@ -443,9 +452,14 @@ def test_jobs_end_when_training_is_done(rendered: Rendered) -> None:
     for job in shard_jobs(rendered):
         _, server = resolved_job(rendered, job)
         assert server.exit_when_done is True, "shards (every copy) must exit 0 once every worker finished"
-    # Those restart forever. The one exception: the replicated overlay's etcd (the coordinator) outlives the job
-    # (deploy/README.md says so, and how to remove it).
-    forever = [d for d in rendered.docs if d["kind"] in ("StatefulSet", "Deployment", "DaemonSet")]
+    # Those restart forever. The exceptions: the replicated overlay's etcd (the coordinator) outlives the job
+    # (deploy/README.md says so, and how to remove it), and components/serving's copies serve until deleted.
+    forever = [
+        d
+        for d in rendered.docs
+        if d["kind"] in ("StatefulSet", "Deployment", "DaemonSet")
+        and not any(d is s for s in serving_deployments(rendered))
+    ]
     if replicas(rendered) == 1:
         assert not forever, "those restart forever"
     else:
@@ -661,6 +675,7 @@ def test_the_dataset_s3_component_gives_the_workers_the_sdks_files_and_nothing_e
 
 def test_only_workers_reach_the_shards_grpc_and_data_ports(rendered: Rendered) -> None:
     shard_labels, worker_labels = pod_labels(rendered.job(SHARD)), pod_labels(rendered.job(WORKER))
+    serving_labels = {k: v for d in serving_deployments(rendered) for k, v in pod_labels(d).items()}
     policies = [p for p in rendered.all("NetworkPolicy") if labels_match(p["spec"]["podSelector"], shard_labels)]
     assert len(policies) == 1, "one NetworkPolicy selects the shards"
     for labels in shard_pod_labels(rendered):
@@ -678,6 +693,14 @@ def test_only_workers_reach_the_shards_grpc_and_data_ports(rendered: Rendered) -
         assert ports, "every ingress rule names its ports"
         peers = rule.get("from", [])
         assert peers, "no rule admits everyone"
+        serving_rule = all(
+            set(peer) == {"podSelector"} and labels_match(peer["podSelector"], serving_labels) for peer in peers
+        )
+        if serving_rule:
+            # components/serving: the serving copies follow their shards over gRPC, nothing else.
+            assert serving_labels and ports == {grpc}, f"serving pods reach the shards' gRPC port only, not {ports}"
+            assert not any(labels_match(peer["podSelector"], worker_labels) for peer in peers)
+            continue
         assert grpc not in ports or data in ports, "a worker that reaches the gRPC port must reach the data socket"
         for port in (grpc, data):
             if port in ports:
@@ -715,7 +738,7 @@ def test_the_disruption_budget_covers_every_shard(rendered: Rendered) -> None:
 
 
 def test_pods_run_unprivileged_on_a_read_only_root(rendered: Rendered) -> None:
-    ours = [*shard_jobs(rendered), rendered.job(WORKER)]
+    ours = [*shard_jobs(rendered), rendered.job(WORKER), *serving_deployments(rendered)]
     for w in workloads(rendered):
         pod = pod_spec(w)
         # Our image runs as its own user; another image (etcd) as a non-root, high uid (off the host's range).
@@ -1083,3 +1106,181 @@ def test_tls_covers_every_copy(tmp_path: Path) -> None:
         secrets = {v["secret"]["secretName"] for v in pod_spec(job)["volumes"] if "secret" in v}
         assert secrets == {"paramserver-shard-tls", "paramserver-auth"}
         assert "grpc" not in container["readinessProbe"], "the kubelet's gRPC probes cannot do TLS"
+
+
+# -- serving copies (components/serving, overlays/serving) -------------------------------------------------------
+# ps-serve in a Deployment: every pod holds a copy of every shard, follows training over the shards' gRPC port and
+# answers reads (paramserver.v1.Serving) behind the Service paramserver-serving.
+
+HEALTHCHECK = ROOT / "deploy" / "image" / "healthcheck.py"
+MAX_FOLLOWERS = 4  # Follow streams a shard serves at once (docs/architecture.md, "Serving copies")
+
+
+def check_serving(r: Rendered) -> None:
+    """What must hold of the serving copies in any overlay that has them."""
+    (deployment,) = serving_deployments(r)
+    labels = pod_labels(deployment)
+    assert labels_match(deployment["spec"]["selector"], labels)
+    assert 1 <= deployment["spec"]["replicas"] <= MAX_FOLLOWERS, "a shard serves at most 4 Follow streams"
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0, "a new copy is ready first"
+    container = containers(deployment, init=False)[0]
+    program, argv = invocation(container)
+    assert program == "ps-serve"
+    args = parse(program, expand(argv, env_values(r, container)))
+    # It follows a shard of this job, by the address the shards' --peers give it.
+    _, server = resolved(r, SHARD)
+    assert args.server in server.peers.split(","), f"--server {args.server} is not a shard of the job"
+    assert not any(resolved_job(r, j)[1].tls_cert for j in shard_jobs(r)), "ps-serve reads the shards in plaintext"
+    assert args.shard_index is None, "every pod holds every shard's copy: any pod answers any read"
+    assert args.host == "0.0.0.0"
+    grpc, metrics = port_of(container, "grpc"), port_of(container, "metrics")
+    assert grpc is not None and grpc["containerPort"] == args.port
+    assert metrics is not None and metrics["containerPort"] == args.metrics_port
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(args.metrics_port)
+    # Probes: started once it listens (after up to --wait for the job's model), ready once every copy holds a
+    # whole version (the image's health check asks Serving.Status), alive while it listens.
+    startup, ready, live = (container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe"))
+    assert startup["tcpSocket"]["port"] in ("grpc", args.port)
+    assert startup["periodSeconds"] * startup["failureThreshold"] > args.wait, "startup outlasts --wait"
+    assert live["tcpSocket"]["port"] in ("grpc", args.port)
+    command = ready["exec"]["command"]
+    assert command[0] == "python" and command[1] == "/opt/paramserver/healthcheck.py"
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert f"COPY healthcheck.py {command[1]}" in dockerfile, "the probe runs the health check the image holds"
+    assert ready["timeoutSeconds"] > float(os.environ.get("PS_HEALTH_TIMEOUT", "3"))
+    # The Service: the serving pods only, every port one of the container's, by name and number.
+    (service,) = [s for s in r.all("Service") if labels_match(s["spec"].get("selector", {}), labels)]
+    assert service["spec"].get("clusterIP") != "None", "one address for clients, ready pods only"
+    assert not service["spec"].get("publishNotReadyAddresses"), "reads go to ready copies only"
+    assert not any(labels_match(service["spec"]["selector"], s) for s in shard_pod_labels(r))
+    for p in service["spec"]["ports"]:
+        target = port_of(container, p["targetPort"])
+        assert target is not None and target["containerPort"] == p["port"] and target["name"] == p["name"]
+    # The network: reads from labelled clients, scrapes from Prometheus; the shards' gRPC port admits the copies.
+    (policy,) = [p for p in r.all("NetworkPolicy") if labels_match(p["spec"]["podSelector"], labels)]
+    admitted: dict[int, list[dict[str, Any]]] = {}
+    for rule in policy["spec"]["ingress"]:
+        assert rule.get("from"), "no rule admits everyone"
+        for port in rule["ports"]:
+            admitted.setdefault(port["port"], []).extend(rule["from"])
+    assert set(admitted) == {args.port, args.metrics_port}
+    assert all(set(peer) == {"podSelector"} for peer in admitted[args.port]), "reads from this namespace's pods"
+    assert all(
+        peer["podSelector"]["matchLabels"] == {"paramserver.io/serving-client": "true"} for peer in admitted[args.port]
+    )
+    assert all("namespaceSelector" in peer for peer in admitted[args.metrics_port]), "scrapes from Prometheus"
+    (shards_policy,) = [
+        p for p in r.all("NetworkPolicy") if labels_match(p["spec"]["podSelector"], shard_pod_labels(r)[0])
+    ]
+    shard_grpc = port_of(containers(r.job(SHARD), init=False)[0], "grpc")["containerPort"]  # type: ignore[index]
+    assert any(
+        shard_grpc in {p["port"] for p in rule["ports"]}
+        and any(labels_match(peer.get("podSelector", {"x": "never"}), labels) for peer in rule["from"])
+        for rule in shards_policy["spec"]["ingress"]
+    ), "the shards admit the serving copies on their gRPC port"
+    # Drains take one copy at a time, and only copies.
+    (pdb,) = [p for p in r.all("PodDisruptionBudget") if labels_match(p["spec"]["selector"], labels)]
+    assert pdb["spec"]["maxUnavailable"] < deployment["spec"]["replicas"]
+    assert not any(labels_match(pdb["spec"]["selector"], s) for s in shard_pod_labels(r))
+    assert not labels_match(pdb["spec"]["selector"], pod_labels(r.job(WORKER)))
+    # No volume but /tmp: a copy holds its values in memory and takes them again when it starts.
+    assert {v["name"] for v in pod_spec(deployment)["volumes"]} == {"tmp"}
+
+
+def test_the_serving_overlay_runs_serving_copies() -> None:
+    assert "serving" in OVERLAYS
+    check_serving(render("serving"))
+    for overlay in OVERLAYS:
+        if overlay != "serving":
+            assert not serving_deployments(render(overlay)), f"{overlay}: serving is a component, added on purpose"
+
+
+def test_serving_copies_follow_a_replicated_job(tmp_path: Path) -> None:
+    """components/serving on top of overlays/replicated: ps-serve follows whichever copy of a part is primary."""
+    r = render_with_component("replicated", "serving", tmp_path)
+    assert replicas(r) == 2
+    check_serving(r)
+    (policy,) = [p for p in r.all("NetworkPolicy") if p["metadata"]["name"] == "paramserver-shard"]
+    assert (
+        len(policy["spec"]["ingress"])
+        == len(render("replicated").named("NetworkPolicy", "paramserver-shard")["spec"]["ingress"]) + 1
+    )
+
+
+def test_the_serving_servicemonitor_scrapes_the_copies_as_the_serving_job(tmp_path: Path) -> None:
+    r = render_with_component("serving", "serving-servicemonitor", tmp_path)
+    (monitor,) = r.all("ServiceMonitor")
+    (deployment,) = serving_deployments(r)
+    selected = [s for s in r.all("Service") if labels_match(monitor["spec"]["selector"], s["metadata"]["labels"])]
+    assert len(selected) == 1 and labels_match(selected[0]["spec"]["selector"], pod_labels(deployment))
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in selected[0]["spec"]["ports"]}
+    assert endpoint["port"] == "metrics"
+    # No jobLabel: the job is the Service's name, what the serving alert rules select (not the shards' job).
+    assert "jobLabel" not in monitor["spec"]
+    job = selected[0]["metadata"]["name"]
+    rules = (ROOT / "deploy" / "monitoring" / "serving-alerts.yml").read_text()
+    assert f'job="{job}"' in rules and 'job="paramserver"' in rules
+
+
+def _healthcheck() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ps_healthcheck", HEALTHCHECK)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_health_check_finds_ps_serves_port() -> None:
+    hc = _healthcheck()
+    assert hc._serving_target(["--server", "s:50051", "--host=0.0.0.0", "--port=50061"]) == "127.0.0.1:50061"
+    assert hc._serving_target(["--server", "s:50051", "--host", "10.0.0.7", "--port", "7000"]) == "10.0.0.7:7000"
+    assert hc._serving_target(["--server", "s:50051"]) == "127.0.0.1:50061"
+    from paramserver.serving.cli import build_parser
+
+    assert build_parser().parse_args(["--server", "s:1"]).port == hc.DEFAULT_SERVING_PORT
+
+
+def test_the_health_check_is_ready_only_when_the_copies_are(capsys: pytest.CaptureFixture[str]) -> None:
+    """healthcheck.py against a Serving service that answers Status: not ready, then ready, then gone."""
+    from concurrent import futures
+
+    import grpc
+
+    from paramserver.v1 import ps_pb2
+
+    hc = _healthcheck()
+    state = {"ready": False}
+
+    def status(_: bytes, __: Any) -> ps_pb2.ServingStatus:
+        return ps_pb2.ServingStatus(ready=state["ready"], versions=[7, 7], shards=2)
+
+    handler = grpc.method_handlers_generic_handler(
+        "paramserver.v1.Serving",
+        {
+            "Status": grpc.unary_unary_rpc_method_handler(
+                status,
+                request_deserializer=ps_pb2.ServingStatusRequest.FromString,
+                response_serializer=ps_pb2.ServingStatus.SerializeToString,
+            )
+        },
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    target = f"127.0.0.1:{port}"
+    try:
+        assert hc.check_serving(target) == 1
+        assert "not ready" in capsys.readouterr().out
+        state["ready"] = True
+        assert hc.check_serving(target) == 0
+        assert "ready (serving copies of 2 shard(s) at version 7, 7)" in capsys.readouterr().out
+    finally:
+        server.stop(grace=None).wait()
+    assert hc.check_serving(target) == 1
+    assert "unreachable" in capsys.readouterr().out
