@@ -757,7 +757,7 @@ def test_a_restored_run_holds_the_same_rows_and_steps_exactly_as_an_uninterrupte
         ref_before = _probe(client, model)
         assert _step(client, model, *FINAL_STEP) == len(CKPT_STEPS) + 1
         ref_after = _probe(client, model)
-        ref_dense = {k: v.clone() for k, v in model.state_dict().items()}
+        ref_dense = {k: v.clone() for k, v in model.fc.state_dict().items()}  # the dense head (user is unbounded)
     reference.stop()
     # The final step is one that tells: users 3 and 6 (once before) get their rows in it, 8 and 9 (never) do not.
     initial_users = initial_rows(model.user.spec("user"), np.asarray(PROBE_USERS))
@@ -801,7 +801,7 @@ def test_a_restored_run_holds_the_same_rows_and_steps_exactly_as_an_uninterrupte
         after = _probe(client, model)
         for got, want in zip(after, ref_after, strict=True):
             assert np.array_equal(got, want)
-        for k, v in model.state_dict().items():
+        for k, v in model.fc.state_dict().items():
             assert torch.equal(v, ref_dense[k]), k
 
 

@@ -13,6 +13,9 @@ gigabytes. This one streams each table shard by shard: it reserves the header (i
 each shard's rows where they go as they arrive, then fills the header in, padded with spaces as the format allows.
 Memory stays at a message (about 1 MiB) per shard. The dense part is read back by safetensors itself, and the tests
 read every file with safetensors' own reader.
+
+`load` fills a converted model (each table answers from the file) or the plain model it was converted from (each
+bounded table's rows copied into the nn.Embedding / nn.EmbeddingBag at its path: worker.client.plain).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from torch import nn
 from paramserver.files import temporary_beside
 from paramserver.tables import Initialiser, TableSpec, shard_of
 from paramserver.v1 import ps_pb2
-from worker.client.sparse import SparseEmbedding, tables_of
+from worker.client.plain import fill_embedding, plain_fit
+from worker.client.sparse import SparseEmbedding, tables_of, without_rows
 
 if TYPE_CHECKING:
     from worker.client.link import ShardLink
@@ -93,7 +97,8 @@ def save(
     workers saving to one path at once each leave a whole file there (the last one renamed). Returns rows
     written per table."""
     client.pull(model)
-    dense = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    with without_rows():  # the tables are written below, shard by shard
+        dense = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
     tables = tables_of(model)
     specs, digest = client.placement(model).tables, client.digest(model)
     shards = len(client.links)
@@ -285,10 +290,14 @@ class FileRows:
 
 
 def load(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
-    """Put a file `PSClient.save` wrote into `model` (built as the saved one was: the same converted architecture),
-    with no server: its dense tensors and buffers are copied in, and each SparseEmbedding answers lookups from the
-    file (memory-mapped: rows are read as lookups touch them). Returns the model. ValueError when the file is no
-    such model file or does not fit this model."""
+    """Put a file `PSClient.save` wrote into `model`, with no server, and return the model. `model` is built as the
+    saved one was: converted (make_sparse as it was, or its own SparseEmbeddings), each table then answering
+    lookups from the file (memory-mapped: rows are read as lookups touch them); or the plain model before
+    make_sparse, each bounded table then filling the weight of the nn.Embedding / nn.EmbeddingBag at its path (the
+    file's rows, and the table's initial rule for every row the file lacks: what the shards would answer), so that
+    it predicts as the trained model and torch.export, ONNX or TorchServe take it. The dense tensors and buffers
+    are copied in. ValueError when the file is no such model file or does not fit this model (an unbounded table
+    fits no plain module), saying what would."""
     from safetensors import safe_open
 
     header, data_at = _read_header(path)
@@ -296,10 +305,21 @@ def load(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
     if metadata.get("format") != FORMAT:
         raise ValueError(f"{path} is not a model file written by PSClient.save (format {metadata.get('format')!r})")
     saved = {t["path"]: t for t in json.loads(metadata["tables"])}
-    mine = dict(tables_of(model))
-    if set(saved) != set(mine):
-        raise ValueError(f"{path} holds tables {sorted(saved)}, the model {sorted(mine)}")
-    state = model.state_dict()
+    mine, plain = _targets(model, saved, path)
+    specs = {name: TableSpec(**saved[name]["spec"]) for name in saved}
+    for name, module in plain.items():
+        problem = plain_fit(module, name, specs[name], os.fspath(path))
+        if problem:
+            raise ValueError(problem)
+    for name, table in mine.items():
+        if specs[name].dim != table.dim:
+            raise ValueError(f"table {name!r}: the file's rows are {specs[name].dim} wide, the model's {table.dim}")
+    with without_rows():
+        state = model.state_dict()
+    filled = {id(m) for m in plain.values()}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if id(module) in filled:
+            state.pop(f"{prefix}.weight", None)  # the table's rows fill it, below
     table_keys = {f"{name}.{s}" for name in saved for s in ("ids", "values", "optimizer_state")}
     dense_keys = set(header) - table_keys - {"__metadata__"}
     if dense_keys != set(state):
@@ -313,15 +333,39 @@ def load(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
             if value.shape != target.shape:
                 raise ValueError(f"{name}: the file's is {list(value.shape)}, the model's {list(target.shape)}")
             target.copy_(value)
-    for name, module in mine.items():
-        spec = TableSpec(**saved[name]["spec"])
-        if spec.dim != module.dim:
-            raise ValueError(f"table {name!r}: the file's rows are {spec.dim} wide, the model's {module.dim}")
+    for name in saved:
         ids = _mapped(path, header, data_at, f"{name}.ids", np.int64)
         values = _mapped(path, header, data_at, f"{name}.values", np.float32)
-        module.attach(FileRows(spec, ids, values, saved[name]["segments"]))
-        module.given = None  # the file's rows replace the ones the model was built with
+        if name in plain:
+            fill_embedding(plain[name], specs[name], ids, values)
+        else:
+            mine[name].attach(FileRows(specs[name], ids, values, saved[name]["segments"]))
+            mine[name].given = None  # the file's rows replace the ones the model was built with
     return model
+
+
+def _targets(
+    model: nn.Module, saved: dict[str, Any], path: str | os.PathLike[str]
+) -> tuple[dict[str, SparseEmbedding], dict[str, nn.Embedding | nn.EmbeddingBag]]:
+    """Where each saved table goes: the model's SparseEmbedding at its path, or a plain nn.Embedding /
+    nn.EmbeddingBag there. ValueError, naming the fix, when the model's tables are not the file's."""
+    mine = dict(tables_of(model))
+    modules = dict(model.named_modules())
+    plain = {
+        name: m
+        for name in saved
+        if name not in mine and isinstance(m := modules.get(name), nn.Embedding | nn.EmbeddingBag)
+    }
+    if set(saved) != set(mine) | set(plain):
+        others = [n for n, m in modules.items() if n not in mine and isinstance(m, nn.Embedding | nn.EmbeddingBag)]
+        raise ValueError(
+            f"{path} holds tables {sorted(saved)}, the model {sorted(set(mine) | set(others))}: build the model "
+            "as the saved one was built, so that each table of the file names a module of it, and no other "
+            "SparseEmbedding is there: the same class converted by the same make_sparse(model, unbounded=[...]) "
+            "call (or with the same SparseEmbeddings), or the plain model before make_sparse (each bounded table "
+            "then fills the nn.Embedding / nn.EmbeddingBag at its path)"
+        )
+    return mine, plain
 
 
 def _read_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:

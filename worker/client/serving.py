@@ -21,7 +21,7 @@ from paramserver.errors import from_rpc_error
 from paramserver.placement import TensorSpec, place
 from paramserver.tables import TableSpec, spec_from_proto
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
-from worker.client.sparse import SparseEmbedding, tables_of
+from worker.client.sparse import SparseEmbedding, tables_of, without_rows
 
 _OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
@@ -107,7 +107,8 @@ class ServingClient:
         """Copy the served dense weights and buffers into `model` (the same architecture the job trains); return each
         shard's version they are of."""
         status = self.status()
-        state = model.state_dict()
+        with without_rows():  # the dense tensors alone: the tables stay where they are read
+            state = model.state_dict()
         specs = [TensorSpec(s.name, tuple(int(d) for d in s.shape), s.buffer) for s in status.specs]
         missing = [sp.name for sp in specs if sp.name not in state or tuple(state[sp.name].shape) != sp.shape]
         if missing:

@@ -20,9 +20,11 @@ touched row's gradient to its shard with the dense gradients, in the same exchan
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -173,8 +175,14 @@ class SparseEmbedding(nn.Module):
     `given`: the rows of IDs 0..N-1 that the first `client.register` sends the shards (a converted nn.Embedding's
     weights: worker.make_sparse); dropped once registered. None: the rows start as `init` says.
 
-    The module holds no tensors of its own: `state_dict()` does not contain the table (it lives on the shards;
-    `PSClient.save` writes it, `worker.load` reads it back).
+    The module holds no tensors of its own, and `state_dict()` never drops the table silently (worker.client.plain):
+    a bounded table puts its rows there as `<path>.weight`, float32 [num_embeddings, dim] on the CPU, shaped as the
+    nn.Embedding it stands for (gathered from its row source: the shards, a loaded file, serving copies), so that a
+    `torch.save(model.state_dict())` or a Lightning checkpoint is whole and loads into the unconverted model. An
+    unbounded table raises there once it holds rows, pointing to `PSClient.save` (the whole model, every table, in
+    one file: `worker.load` reads it back); `in_state_dict = False` leaves a table out on purpose. `load_state_dict`
+    takes a bounded table's weight as its given rows while the table is not registered yet; once registered, only
+    the rows it already holds (others are refused: they live on the shards).
     """
 
     def __init__(
@@ -208,6 +216,7 @@ class SparseEmbedding(nn.Module):
         self.padding_idx = padding_idx
         self.include_last_offset = include_last_offset
         self.given = given
+        self.in_state_dict = True  # False: state_dict and load_state_dict leave the table out (PSClient.save has it)
         self._options = dict(
             dim=dim,
             num_embeddings=num_embeddings or 0,
@@ -236,6 +245,36 @@ class SparseEmbedding(nn.Module):
         pooled = f", mode={self.mode!r}" if self.mode else ""
         padded = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
         return f"dim={self.dim}{bound}{pooled}{padded}"
+
+    def _save_to_state_dict(self, destination: dict[str, object], prefix: str, keep_vars: bool) -> None:
+        if self.in_state_dict and not _ROWS_LEFT_OUT.get():
+            from worker.client.plain import table_weight
+
+            weight = table_weight(self, prefix[:-1])
+            if weight is not None:
+                destination[prefix + "weight"] = weight
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, torch.Tensor],
+        prefix: str,
+        local_metadata: dict[str, object],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        from worker.client.plain import load_weight
+
+        key = prefix + "weight"
+        taken = self.in_state_dict and (key in state_dict or self.num_embeddings is not None)
+        if taken and key in state_dict:
+            problem = load_weight(self, prefix[:-1], state_dict[key])
+            if problem is not None:
+                error_msgs.append(problem)
+        elif taken:
+            missing_keys.append(key)
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and not (taken and k == key))
 
     def attach(self, source: RowSource | None, uniques: UniqueCache | None = None) -> None:
         """Read rows from `source` from now on (PSClient.register calls this; `uniques`: shared by the model's
@@ -394,6 +433,20 @@ class SparseEmbedding(nn.Module):
         grads = torch.cat([torch.as_tensor(g) for _, g, _ in parts])
         summed.index_add_(0, torch.from_numpy(inverse.reshape(-1).astype(np.int64)), grads)
         return unique, summed.numpy(), None
+
+
+_ROWS_LEFT_OUT: contextvars.ContextVar[bool] = contextvars.ContextVar("rows_left_out", default=False)
+
+
+@contextlib.contextmanager
+def without_rows() -> Iterator[None]:
+    """Within it, a model's `state_dict()` holds its dense tensors and buffers alone, none of its tables (PSClient.save
+    and worker.load, which move the tables themselves; ServingClient.pull)."""
+    token = _ROWS_LEFT_OUT.set(True)
+    try:
+        yield
+    finally:
+        _ROWS_LEFT_OUT.reset(token)
 
 
 def tables_of(module: nn.Module) -> list[tuple[str, SparseEmbedding]]:
