@@ -13,6 +13,7 @@ against plain torch: CPU per sample and step time; then workers x shards and 1 t
 (TorchRec's DistributedModelParallel on 2 CPU ranks against our step and the local one; needs make bench-peers,
 else skipped),
 replication (--replicas 2: the push + pull against one copy, failover and catch-up times, with a real etcd),
+serving (serving copies beside a DLRM job: the cost to its samples/s, freshness, lookup latency, a cold start),
 link (training over a bandwidth-limited link between network namespaces, with and
 without ps-worker --overlap; needs root, else skipped), overlap_backward (training over such links with and without
 ps-worker --overlap-backward; root), stream (CNN steps fed from shards over HTTP through a
@@ -49,6 +50,7 @@ from bench import (  # noqa: E402
     overlap_backward,
     replication,
     report,
+    serving,
     sparse,
     sparse_many,
     sparse_peer,
@@ -68,6 +70,7 @@ SECTIONS = {
     "sparse_many": sparse_many.run,
     "sparse_peer": sparse_peer.run,
     "replication": replication.run,
+    "serving": serving.run,
     "link": link.run,
     "compress": compress.run,
     "overlap_backward": overlap_backward.run,

@@ -17,6 +17,7 @@ import numpy as np
 from paramserver.errors import ShuttingDown
 from paramserver.server.streams import StreamGate
 from paramserver.shard.model import ShardModel
+from paramserver.shard.row_blocks import RowBlock
 from paramserver.shard.state import Shard
 from paramserver.v1 import ps_pb2
 from paramserver.wire.chunks import CHUNK_BYTES
@@ -33,12 +34,11 @@ class Followers:
     def __init__(self, shard: Shard, total: int = FOLLOWERS, per_host: int = FOLLOWERS_PER_HOST) -> None:
         self.shard = shard
         self.gate = StreamGate(total, per_host)
+        self._last: tuple[tuple[str, str, int, int], list[bytes]] | None = None  # the last delta, serialized
 
-    def follow(self, request: ps_pb2.FollowRequest) -> Iterator[ps_pb2.FollowMessage]:
-        """The messages answering `request` (checks, and the wait for a newer version, before the first)."""
-        return self._follow(request)
-
-    def _follow(self, request: ps_pb2.FollowRequest) -> Iterator[ps_pb2.FollowMessage]:
+    def follow(self, request: ps_pb2.FollowRequest) -> Iterator[bytes]:
+        """The messages answering `request`, serialized (checks, and the wait for a newer version, before the first).
+        A delta is kept until the next: another copy asking for the same versions gets the same bytes, read once."""
         shard = self.shard
         wait = min(request.wait_ms, MAX_WAIT_MS) / 1000
         with shard.lock:
@@ -49,22 +49,35 @@ class Followers:
             model = shard.require_model()
             full = request.full or not self._continues(request, model)
             version = shard.version
-            head = ps_pb2.FollowMessage.Header(
-                version=version,
-                full=full,
-                incarnation=shard.incarnation,
-                model_digest=model.digest,
-                dense_elements=model.numel if (full or version > request.since_version) else 0,
-            )
-            dense = model.params.detach().numpy().copy() if head.dense_elements else np.empty(0, np.float32)
-            changed = [] if full else self._changed(model, request.since_version)
-        yield ps_pb2.FollowMessage(header=head)
-        yield from _dense(dense)
+            key = (model.digest, shard.incarnation, request.since_version, version)
+            cached = self._last
+            if not full and cached is not None and cached[0] == key:
+                reused: list[bytes] | None = cached[1]
+            else:
+                reused = None
+                head = ps_pb2.FollowMessage.Header(
+                    version=version,
+                    full=full,
+                    incarnation=shard.incarnation,
+                    model_digest=model.digest,
+                    dense_elements=model.numel if (full or version > request.since_version) else 0,
+                    oldest_applied=0.0 if full else shard.publication.applied_after(request.since_version),
+                )
+                dense = model.params.detach().numpy().copy() if head.dense_elements else np.empty(0, np.float32)
+                changed = [] if full else self._changed(model, request.since_version)
+        if reused is not None:  # sent once the lock is let go, as every answer: a slow reader never holds the shard
+            yield from reused
+            return
         if full:
-            yield from self._pages(model)
-        else:
-            for table, ids, values in changed:
-                yield from _rows(table, ids, values)
+            yield ps_pb2.FollowMessage(header=head).SerializeToString()
+            yield from (m.SerializeToString() for m in _dense(dense))
+            yield from (m.SerializeToString() for m in self._pages(model))
+            return
+        messages = [ps_pb2.FollowMessage(header=head).SerializeToString()]
+        messages += [m.SerializeToString() for m in _dense(dense)]
+        messages += [m.SerializeToString() for m in _batches(changed)]
+        self._last = (key, messages)
+        yield from messages
 
     def _continues(self, request: ps_pb2.FollowRequest, model: ShardModel) -> bool:
         """Whether the copy's state is a past version of this shard's (then only changes need go): the same model,
@@ -74,21 +87,15 @@ class Followers:
         return request.model_digest == model.digest and same_history and request.since_version <= shard.version
 
     def _changed(self, model: ShardModel, since: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """Each table's rows written after `since`, read now (under the lock)."""
+        """Each table's rows written after `since`, read now (under the lock; a group's tables in one lookup)."""
         tables = model.tables
         if not tables:
             return []
-        views = tables.tables
         written = self.shard.publication.written_since(since)
         if written is None:  # past what the record covers: the rows' own versions tell
-            written = [v.group.written_since(since, v.tag) for v in views]
-        out = []
-        for t, ids in enumerate(written):
-            if len(ids):
-                view = views[t]
-                tags = None if not view.group.tagged else np.full(len(ids), view.tag, np.int32)
-                out.append((t, ids, view.group.lookup(ids, tags)))
-        return out
+            written = [v.group.written_since(since, v.tag) for v in tables.tables]
+        asked = [RowBlock(t, ids, None) for t, ids in enumerate(written) if len(ids)]
+        return [(b.table, b.ids, rows) for b, rows in zip(asked, tables.lookup(asked), strict=True)]
 
     def _pages(self, model: ShardModel) -> Iterator[ps_pb2.FollowMessage]:
         """Every row of every table, a page of slots under the lock at a time."""
@@ -111,6 +118,21 @@ def _dense(dense: np.ndarray) -> Iterator[ps_pb2.FollowMessage]:
     for lo in range(0, len(data), per):
         chunk = ps_pb2.FollowMessage.Dense(offset=lo, data=data[lo : lo + per].tobytes())
         yield ps_pb2.FollowMessage(dense=chunk)
+
+
+def _batches(changed: list[tuple[int, np.ndarray, np.ndarray]]) -> Iterator[ps_pb2.FollowMessage]:
+    """Tables' rows, several in a message of at most about CHUNK_BYTES (a large table's in several)."""
+    batch = ps_pb2.FollowMessage.Batch()
+    size = 0
+    for table, ids, values in changed:
+        for m in _rows(table, ids, values):
+            if size and size + len(m.rows.values) > CHUNK_BYTES:
+                yield ps_pb2.FollowMessage(batch=batch)
+                batch, size = ps_pb2.FollowMessage.Batch(), 0
+            batch.rows.append(m.rows)
+            size += len(m.rows.ids) + len(m.rows.values)
+    if size:
+        yield ps_pb2.FollowMessage(batch=batch)
 
 
 def _rows(table: int, ids: np.ndarray, values: np.ndarray) -> Iterator[ps_pb2.FollowMessage]:

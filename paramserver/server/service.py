@@ -283,7 +283,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Follow(self, request: ps_pb2.FollowRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         with rpc_errors(context, "Follow", self.handler.rejected), self.followers.gate.open(context, "Follow") as s:
-            yield from s.sent(m.SerializeToString() for m in self.followers.follow(request))
+            yield from s.sent(self.followers.follow(request))
 
     def Push(
         self, request_iterator: Iterator[ps_pb2.PushMessage], context: grpc.ServicerContext

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +44,9 @@ class ShardCopy:
         self.ready = False  # holds one version whole
         self.heard = time.monotonic()  # when its shard last answered
         self.lock = threading.Lock()
+        # Seconds from when the oldest version of each answer applied on the shard to when it applied here (the
+        # newest answers' first; the same host's clocks, or NTP's accuracy between hosts).
+        self.freshness: deque[float] = deque(maxlen=4096)
         self._dense = np.empty(0, np.float32)
         self._groups = self._new_groups()
 
@@ -76,6 +80,8 @@ class ShardCopy:
                 self.version, self.incarnation = head.version, head.incarnation
                 self.ready = True
         self.heard = time.monotonic()
+        if head.oldest_applied and not head.full:
+            self.freshness.append(time.time() - head.oldest_applied)
         return self.version
 
     def _receive(self, messages: Iterable[ps_pb2.FollowMessage]) -> _Received:
@@ -92,13 +98,13 @@ class ShardCopy:
                 data = np.frombuffer(m.dense.data, "<f4")
                 got.dense[m.dense.offset : m.dense.offset + len(data)] = data
                 filled += len(data)
-            elif kind == "rows":
-                r = m.rows
-                if r.table >= len(self.specs):
-                    raise ValueError(f"shard {self.index} sent rows of table {r.table} of {len(self.specs)}")
-                ids = np.frombuffer(r.ids, "<i8")
-                values = np.frombuffer(r.values, "<f4").reshape(len(ids), self.specs[r.table].dim)
-                got.rows.append((r.table, ids, values))
+            elif kind in ("rows", "batch"):
+                for r in [m.rows] if kind == "rows" else m.batch.rows:
+                    if r.table >= len(self.specs):
+                        raise ValueError(f"shard {self.index} sent rows of table {r.table} of {len(self.specs)}")
+                    ids = np.frombuffer(r.ids, "<i8")
+                    values = np.frombuffer(r.values, "<f4").reshape(len(ids), self.specs[r.table].dim)
+                    got.rows.append((r.table, ids, values))
         if filled != head.dense_elements:
             raise ValueError(f"shard {self.index} sent {filled} of {head.dense_elements} dense elements")
         return got

@@ -21,6 +21,7 @@ from paramserver.v1 import ps_pb2, ps_pb2_grpc
 log = logging.getLogger(__name__)
 
 POLL_MS = 1000  # how long one Follow waits for a newer version before it answers "nothing new"
+INTERVAL_S = 0.1  # the least time between two answers: changes coalesce over it (a row written often goes once)
 
 
 class Follower:
@@ -32,11 +33,13 @@ class Follower:
         addresses: Sequence[str],
         channel: Callable[[str], grpc.Channel],
         on_version: Callable[[ShardCopy], None] | None = None,
+        interval: float = INTERVAL_S,
     ) -> None:
         self.copy = copy
         self.addresses = list(addresses)
         self._channel = channel
         self._on_version = on_version
+        self.interval = interval
         self._at = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"follow-shard-{copy.index}", daemon=True)
@@ -57,8 +60,11 @@ class Follower:
             try:
                 stub = ps_pb2_grpc.ParameterServerStub(channel)
                 while not self._stop.is_set():
+                    began = time.monotonic()
                     self._follow_once(stub)
                     backoff = 0.05
+                    if self.copy.ready:  # a copy catching up asks again at once
+                        self._stop.wait(max(0.0, self.interval - (time.monotonic() - began)))
             except grpc.RpcError as err:
                 code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
                 self.error = f"{address}: {code.name}: {err.details() if hasattr(err, 'details') else err}"

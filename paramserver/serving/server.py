@@ -19,7 +19,7 @@ import numpy as np
 
 from paramserver.errors import FailedPrecondition, InvalidArgument, ShuttingDown, TooLarge, rpc_errors
 from paramserver.serving.copy import ShardCopy
-from paramserver.serving.follower import Follower, wait_until
+from paramserver.serving.follower import INTERVAL_S, Follower, wait_until
 from paramserver.tables import TableSpec, shard_of, spec_from_proto, spec_to_proto
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire import bounds
@@ -47,7 +47,9 @@ def channel_to(address: str) -> grpc.Channel:
 class ServingCopies:
     """The serving copies of a job's shards, each following its shard."""
 
-    def __init__(self, topology: ps_pb2.Topology, shards: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, topology: ps_pb2.Topology, shards: Sequence[int] | None = None, interval: float = INTERVAL_S
+    ) -> None:
         self.topology = topology
         self.num_shards = len(topology.shards)
         self.tables: tuple[TableSpec, ...] = tuple(spec_from_proto(t) for t in topology.tables)
@@ -61,6 +63,7 @@ class ServingCopies:
                 copy,
                 replicas[i * per : (i + 1) * per] if per else [topology.shards[i]],
                 channel_to,
+                interval=interval,
             )
             for i, copy in self.copies.items()
         ]
@@ -249,10 +252,16 @@ def contact(address: str, timeout: float) -> ps_pb2.Topology:
 
 
 def serve(
-    address: str, host: str = "127.0.0.1", port: int = 0, shards: Sequence[int] | None = None, timeout: float = 60
+    address: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    shards: Sequence[int] | None = None,
+    timeout: float = 60,
+    interval: float = INTERVAL_S,
 ) -> tuple[grpc.Server, ServingCopies, int]:
-    """Start serving copies of the job at `address`: return the started server, the copies, and the bound port."""
-    copies = ServingCopies(contact(address, timeout), shards)
+    """Start serving copies of the job at `address`, each asking its shard for changes at most every `interval`
+    seconds: return the started server, the copies, and the bound port."""
+    copies = ServingCopies(contact(address, timeout), shards, interval)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=_OPTIONS)
     bound = server.add_insecure_port(f"{host}:{port}")
     if not bound:

@@ -26,7 +26,7 @@ class Publication:
         self.tables = tables
         self.limit_bytes = limit_bytes
         self._floor = version  # changes after this version are all recorded
-        self._versions: deque[tuple[int, list[tuple[int, np.ndarray]]]] = deque()
+        self._versions: deque[tuple[int, float, list[tuple[int, np.ndarray]]]] = deque()  # version, wall, IDs
         self._bytes = 0
 
     @property
@@ -46,12 +46,19 @@ class Publication:
     def applied(self, update: Update) -> None:
         """Note the IDs `update` wrote (copied: a push's blocks are views of buffers reused later)."""
         written = [(b.table, b.ids.copy()) for b in update.rows if len(b.ids)]
-        self._versions.append((update.version, written))
+        self._versions.append((update.version, update.wall, written))
         self._bytes += sum(ids.nbytes for _, ids in written)
         while self._bytes > self.limit_bytes and self._versions:
-            version, dropped = self._versions.popleft()
+            version, _, dropped = self._versions.popleft()
             self._bytes -= sum(ids.nbytes for _, ids in dropped)
             self._floor = version
+
+    def applied_after(self, version: int) -> float:
+        """When the first version after `version` applied (time.time() on this shard); 0.0 where not recorded."""
+        for v, wall, _ in self._versions:
+            if v > version:
+                return wall
+        return 0.0
 
     def written_since(self, version: int) -> list[np.ndarray] | None:
         """Each table's unique IDs written after `version` (ascending); None where this record no longer covers
@@ -59,7 +66,7 @@ class Publication:
         if version < self._floor:
             return None
         parts: list[list[np.ndarray]] = [[] for _ in range(self.tables)]
-        for v, written in reversed(self._versions):
+        for v, _, written in reversed(self._versions):
             if v <= version:
                 break
             for table, ids in written:

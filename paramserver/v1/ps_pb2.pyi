@@ -301,20 +301,22 @@ class FollowRequest(_message.Message):
     def __init__(self, model_digest: _Optional[str] = ..., since_version: _Optional[int] = ..., incarnation: _Optional[str] = ..., wait_ms: _Optional[int] = ..., full: _Optional[bool] = ...) -> None: ...
 
 class FollowMessage(_message.Message):
-    __slots__ = ("header", "dense", "rows")
+    __slots__ = ("header", "dense", "rows", "batch")
     class Header(_message.Message):
-        __slots__ = ("version", "full", "incarnation", "model_digest", "dense_elements")
+        __slots__ = ("version", "full", "incarnation", "model_digest", "dense_elements", "oldest_applied")
         VERSION_FIELD_NUMBER: _ClassVar[int]
         FULL_FIELD_NUMBER: _ClassVar[int]
         INCARNATION_FIELD_NUMBER: _ClassVar[int]
         MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
         DENSE_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+        OLDEST_APPLIED_FIELD_NUMBER: _ClassVar[int]
         version: int
         full: bool
         incarnation: str
         model_digest: str
         dense_elements: int
-        def __init__(self, version: _Optional[int] = ..., full: _Optional[bool] = ..., incarnation: _Optional[str] = ..., model_digest: _Optional[str] = ..., dense_elements: _Optional[int] = ...) -> None: ...
+        oldest_applied: float
+        def __init__(self, version: _Optional[int] = ..., full: _Optional[bool] = ..., incarnation: _Optional[str] = ..., model_digest: _Optional[str] = ..., dense_elements: _Optional[int] = ..., oldest_applied: _Optional[float] = ...) -> None: ...
     class Dense(_message.Message):
         __slots__ = ("offset", "data")
         OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -322,13 +324,20 @@ class FollowMessage(_message.Message):
         offset: int
         data: bytes
         def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    class Batch(_message.Message):
+        __slots__ = ("rows",)
+        ROWS_FIELD_NUMBER: _ClassVar[int]
+        rows: _containers.RepeatedCompositeFieldContainer[Rows]
+        def __init__(self, rows: _Optional[_Iterable[_Union[Rows, _Mapping]]] = ...) -> None: ...
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     header: FollowMessage.Header
     dense: FollowMessage.Dense
     rows: Rows
-    def __init__(self, header: _Optional[_Union[FollowMessage.Header, _Mapping]] = ..., dense: _Optional[_Union[FollowMessage.Dense, _Mapping]] = ..., rows: _Optional[_Union[Rows, _Mapping]] = ...) -> None: ...
+    batch: FollowMessage.Batch
+    def __init__(self, header: _Optional[_Union[FollowMessage.Header, _Mapping]] = ..., dense: _Optional[_Union[FollowMessage.Dense, _Mapping]] = ..., rows: _Optional[_Union[Rows, _Mapping]] = ..., batch: _Optional[_Union[FollowMessage.Batch, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "min_version", "dtype", "incarnation")
