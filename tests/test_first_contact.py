@@ -178,3 +178,30 @@ def test_a_worker_started_while_a_dead_ones_lease_runs_waits_for_its_place(ps_cl
     assert any(
         "already has its 1 workers" in r.getMessage() and "trying again" in r.getMessage() for r in caplog.records
     )
+
+
+def test_sigterm_stops_a_worker_as_ctrl_c_does_it_leaves_the_job(ps_cluster_factory):
+    """A supervisor's stop (a pod deleted, systemd, a benchmark) is SIGTERM: the worker leaves the job at once, as
+    on Ctrl-C, instead of being killed mid-step and evicted only when its lease runs out."""
+    cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1), shards=1)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "--server", cluster.address, "--epochs", "200", "--no-progress"],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        shard = cluster.shards[0]
+        deadline = time.monotonic() + 120
+        while shard.describe().version < 3:
+            assert worker.poll() is None and time.monotonic() < deadline, "the worker did not start training"
+            time.sleep(0.05)
+        worker.send_signal(signal.SIGTERM)
+        _, stderr = worker.communicate(timeout=60)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert worker.returncode == 130, stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr, stderr
+    assert shard.describe().live_workers == 0  # it left: no lease to wait out

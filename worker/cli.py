@@ -77,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    signal.signal(signal.SIGTERM, _terminated)  # a pod's or a supervisor's stop: the same clean leave as Ctrl-C
     try:
         config = from_arguments(TrainConfig, args)
         metrics = train(config)
@@ -149,6 +150,10 @@ def run_several(args: argparse.Namespace, argv: list[str]) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return next((c for c in codes if c), 0)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def _sigint_as_ctrl_c() -> None:
