@@ -39,8 +39,15 @@ BATCH = 2048
 
 def _sizes(plan: Plan) -> dict[str, Any]:
     if plan.quick:
-        return {"samples": 60_000, "window": 2.0, "rounds": 1, "load_s": 1.0, "rate": 200, "cold_rows": 100_000}
-    return {"samples": 1_000_000, "window": 12.0, "rounds": 3, "load_s": 5.0, "rate": 1000, "cold_rows": 10_000_000}
+        return {"samples": 60_000, "window": 2.0, "rounds": 1, "load_s": 1.0, "rates": (200,), "cold_rows": 100_000}
+    return {
+        "samples": 1_000_000,
+        "window": 12.0,
+        "rounds": 3,
+        "load_s": 5.0,
+        "rates": (100, 300, 1000),
+        "cold_rows": 10_000_000,
+    }
 
 
 # -- children ---------------------------------------------------------------------------------------------------
@@ -67,7 +74,7 @@ def _copies(chan: Channel, params: dict[str, Any]) -> None:
             chan.send("freshness", samples=samples)
     finally:
         copies.stop()
-        server.stop(0)
+        server.stop(0).wait()
 
 
 def _load(chan: Channel, params: dict[str, Any]) -> None:
@@ -94,18 +101,23 @@ def _load(chan: Channel, params: dict[str, Any]) -> None:
             )
         for r in requests[:50]:  # warm-up
             stub.Lookup(r)
-        took = []
+        # Open loop: each request leaves at its time, whether the ones before have been answered or not (a closed
+        # loop would measure the server's pace, not its latency at the offered rate).
+        took: list[float] = []
+        pending = []
         interval = 1.0 / params["rate"]
         began = time.perf_counter()
         n = int(params["rate"] * params["seconds"])
         for i in range(n):
-            due = began + i * interval
-            wait = due - time.perf_counter()
+            wait = began + i * interval - time.perf_counter()
             if wait > 0:
                 time.sleep(wait)
             t0 = time.perf_counter()
-            stub.Lookup(requests[i % len(requests)])
-            took.append(time.perf_counter() - t0)
+            call = stub.Lookup.future(requests[i % len(requests)])
+            call.add_done_callback(lambda _, t0=t0: took.append(time.perf_counter() - t0))
+            pending.append(call)
+        for call in pending:
+            call.result()
         chan.send("latency", seconds=took, achieved=n / (time.perf_counter() - began))
 
 
@@ -190,7 +202,8 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
                 if trainer.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the trainer did not start training (status {trainer.poll()})")
                 time.sleep(0.5)
-            off, on, off_cpu, on_cpu, fresh, latency, achieved = [], [], [], [], [], [], []
+            off, on, off_cpu, on_cpu, fresh = [], [], [], [], []
+            latency: list[Figure] = []
             for r in range(sizes["rounds"]):
                 rate, cpu = _window(cluster, sizes["window"])
                 off.append(rate)
@@ -206,13 +219,8 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
                 on.append(rate)
                 on_cpu.append(cpu)
                 if r == 0:
-                    load = procs.child(
-                        SECTION,
-                        "load",
-                        {"address": f"127.0.0.1:{ports[0]}", "rate": sizes["rate"], "seconds": sizes["load_s"]},
-                    )
-                    got = load.expect("latency", TIMEOUT)
-                    latency, achieved = got["seconds"], [got["achieved"]]
+                    for rate in sizes["rates"]:
+                        latency.append(_latency(procs, ports[0], rate, sizes["load_s"], "while training"))
                 for c in copies:
                     c.send(do="freshness")
                     fresh += c.expect("freshness", 30)["samples"]
@@ -221,6 +229,10 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
         finally:
             trainer.terminate()
             trainer.wait(timeout=30)
+        idle = procs.child(SECTION, "copies", {"address": address}, name="serving-copies-idle")
+        port = idle.expect("ready", TIMEOUT)["port"]
+        latency.append(_latency(procs, port, sizes["rates"][-1], sizes["load_s"], "training over"))
+        procs.close_children([idle])
     params = {"tables": 26, "batch": BATCH, "shards": 2, "copies": 2, "window_s": sizes["window"]}
     figures.append(
         Figure(f"{SECTION}.train.alone", SECTION, "DLRM samples/s, no serving copy", "samples/s", off, params)
@@ -241,14 +253,22 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
         Figure(f"{SECTION}.freshness.p50", SECTION, title, "ms", [median(fresh) * 1e3], answers, extra=tails)
     )
     figures.append(Figure(f"{SECTION}.freshness.p99", SECTION, "freshness p99", "ms", [q[98] * 1e3], params))
-    lq = statistics.quantiles(latency, n=100) if len(latency) >= 2 else [float("nan")] * 99
-    title = f"Lookup of 26 IDs at {sizes['rate']}/s while training, p99"
-    extra = {"p50_ms": median(latency) * 1e3, "achieved_per_s": achieved}
-    figures.append(
-        Figure(f"{SECTION}.lookup.p99", SECTION, title, "ms", [lq[98] * 1e3], {"rate": sizes["rate"]}, extra=extra)
-    )
+    figures += latency
     figures.append(_cold_start(procs, sizes["cold_rows"]))
     return figures
+
+
+def _latency(procs: Processes, port: int, rate: int, seconds: float, when: str) -> Figure:
+    """Lookups of 26 IDs offered at `rate` a second to the copies on `port`: their p99 (p50 and the rate the
+    generator reached in `extra`)."""
+    load = procs.child(SECTION, "load", {"address": f"127.0.0.1:{port}", "rate": rate, "seconds": seconds})
+    got = load.expect("latency", TIMEOUT)
+    took = got["seconds"]
+    q = statistics.quantiles(took, n=100) if len(took) >= 2 else [float("nan")] * 99
+    extra = {"p50_ms": median(took) * 1e3, "offered_per_s": got["achieved"]}
+    key = "training" if when == "while training" else "idle"
+    title = f"Lookup of 26 IDs at {rate}/s, {when}, p99"
+    return Figure(f"{SECTION}.lookup.{key}.{rate}", SECTION, title, "ms", [q[98] * 1e3], {"rate": rate}, extra=extra)
 
 
 def _cold_start(procs: Processes, rows: int) -> Figure:

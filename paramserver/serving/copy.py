@@ -48,12 +48,17 @@ class ShardCopy:
         # newest answers' first; the same host's clocks, or NTP's accuracy between hosts).
         self.freshness: deque[float] = deque(maxlen=4096)
         self._dense = np.empty(0, np.float32)
+        widths = sorted({t.dim for t in self.specs})
+        self._members = [[k for k, t in enumerate(self.specs) if t.dim == w] for w in widths]
+        # Each table's (group, tag): its tag is its place among its group's tables.
+        self._where = {k: (g, members.index(k)) for g, members in enumerate(self._members) for k in members}
         self._groups = self._new_groups()
 
     def _new_groups(self) -> list[RowGroup]:
-        # One values-only group per table: plain SGD keeps no state, and a lookup of an ID without a row reads its
-        # initial row by the table's own rule, as the shard's does.
-        return [RowGroup([spec], "sgd", 0.0) for spec in self.specs]
+        # Values only, the tables of one width in one group (as on the shard: one probe, one gather, one scatter per
+        # group, whatever the number of tables): plain SGD keeps no state, and a lookup of an ID without a row reads
+        # its initial row by its table's own rule, as the shard's does.
+        return [RowGroup([self.specs[t] for t in members], "sgd", 0.0) for members in self._members]
 
     @property
     def has_state(self) -> bool:
@@ -109,18 +114,47 @@ class ShardCopy:
             raise ValueError(f"shard {self.index} sent {filled} of {head.dense_elements} dense elements")
         return got
 
-    @staticmethod
-    def _put(groups: list[RowGroup], rows: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+    def _put(self, groups: list[RowGroup], rows: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """Place an answer's rows, a group's tables in one call."""
+        by_group: dict[int, list[tuple[int, np.ndarray, np.ndarray]]] = {}
         for table, ids, values in rows:
-            groups[table].put(ids, values)
+            by_group.setdefault(self._where[table][0], []).append((table, ids, values))
+        for g, entries in by_group.items():
+            group = groups[g]
+            ids = np.concatenate([e[1] for e in entries])
+            values = np.concatenate([e[2] for e in entries])
+            tags = self._tags([(e[0], len(e[1])) for e in entries]) if group.tagged else None
+            group.put(ids, values, tags)
+
+    def _tags(self, counts: list[tuple[int, int]]) -> np.ndarray:
+        return np.concatenate([np.full(n, self._where[t][1], np.int32) for t, n in counts])
 
     # -- reads ---------------------------------------------------------------------------------------------------
 
     def lookup(self, table: int, ids: np.ndarray) -> np.ndarray:
         """The rows of these IDs (initial rows for IDs without one); call under `lock`."""
-        if not 0 <= table < len(self._groups):
-            raise InvalidArgument(f"table {table}: the model has {len(self._groups)} table(s)")
-        return self._groups[table].lookup(ids)
+        return self.lookup_many([(table, ids)])[0]
+
+    def lookup_many(self, asked: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
+        """The rows of several tables' IDs, a group's in one lookup; call under `lock`."""
+        for table, _ in asked:
+            if table not in self._where:
+                raise InvalidArgument(f"table {table}: the model has {len(self.specs)} table(s)")
+        out: list[np.ndarray] = [np.empty((0, 0), np.float32)] * len(asked)
+        by_group: dict[int, list[int]] = {}
+        for k, (table, _) in enumerate(asked):
+            by_group.setdefault(self._where[table][0], []).append(k)
+        for g, ks in by_group.items():
+            group = self._groups[g]
+            ids = np.concatenate([asked[k][1] for k in ks]) if len(ks) > 1 else asked[ks[0]][1]
+            tags = self._tags([(asked[k][0], len(asked[k][1])) for k in ks]) if group.tagged else None
+            rows = group.lookup(ids, tags)
+            at = 0
+            for k in ks:
+                n = len(asked[k][1])
+                out[k] = rows[at : at + n]
+                at += n
+        return out
 
     def dense(self) -> np.ndarray:
         """The dense part (replaced, never changed in place: safe to read after the lock is let go)."""

@@ -117,20 +117,26 @@ class ServingCopies:
             asked.append((table, ids))
         if total > MAX_MESSAGE_BYTES:
             raise TooLarge(f"the rows asked for are {total} bytes, over the reply limit of {MAX_MESSAGE_BYTES}")
-        owners = [shard_of(ids, self.num_shards) for _, ids in asked]
+        # Every entry's IDs hashed to their shards at once; then each shard's part of every entry in one call.
+        counts = [len(ids) for _, ids in asked]
+        bounds = np.cumsum([0, *counts])
+        owner = shard_of(np.concatenate([ids for _, ids in asked]), self.num_shards) if asked else np.empty(0, np.int64)
         with self.one_version() as copies:
-            missing = {int(s) for o in owners for s in np.unique(o)} - set(copies)
+            missing = {int(s) for s in np.unique(owner)} - set(copies)
             if missing:
                 raise FailedPrecondition(f"this serving process holds no copy of shard(s) {sorted(missing)}")
-            out = []
-            for (table, ids), owner in zip(asked, owners, strict=True):
-                rows = np.empty((len(ids), self.tables[table].dim), np.float32)
-                for s in np.unique(owner):
-                    at = np.flatnonzero(owner == s)
-                    rows[at] = copies[int(s)].lookup(table, ids[at])
-                out.append(rows.astype("<f4", copy=False).tobytes())
+            out = [np.empty((n, self.tables[t].dim), np.float32) for (t, _), n in zip(asked, counts, strict=True)]
+            for s in np.unique(owner):
+                mine = []
+                for k, (table, ids) in enumerate(asked):
+                    w = np.flatnonzero(owner[bounds[k] : bounds[k + 1]] == s)
+                    if len(w):
+                        mine.append((k, w, table, ids[w]))
+                rows = copies[int(s)].lookup_many([(table, ids) for _, _, table, ids in mine])
+                for (k, w, _, _), r in zip(mine, rows, strict=True):
+                    out[k][w] = r
             versions = [copies[i].version if i in copies else 0 for i in range(self.num_shards)]
-        return ps_pb2.LookupReply(versions=versions, rows=out)
+        return ps_pb2.LookupReply(versions=versions, rows=[r.astype("<f4", copy=False).tobytes() for r in out])
 
     def pull(self, request: ps_pb2.ServingPullRequest) -> Iterator[ps_pb2.ServingPullMessage]:
         with self.one_version() as copies:
@@ -148,6 +154,9 @@ class ServingCopies:
     def status(self) -> ps_pb2.ServingStatus:
         now = time.monotonic()
         t = self.topology
+        fresh = sorted(f for c in self.copies.values() for f in list(c.freshness))
+        p50 = fresh[len(fresh) // 2] if fresh else 0.0
+        p99 = fresh[min(len(fresh) - 1, int(len(fresh) * 0.99))] if fresh else 0.0
         return ps_pb2.ServingStatus(
             versions=[self.copies[i].version if i in self.copies else 0 for i in range(self.num_shards)],
             ready=self.ready,
@@ -156,6 +165,9 @@ class ServingCopies:
             specs=list(t.specs),
             shards=self.num_shards,
             silent_seconds=[now - self.copies[i].heard if i in self.copies else 0.0 for i in range(self.num_shards)],
+            freshness_p50=p50,
+            freshness_p99=p99,
+            freshness_answers=len(fresh),
         )
 
 

@@ -3,7 +3,9 @@
 It runs what a user runs, as subprocesses: the planted click logs (worker.demos.planted) written as Criteo day
 files, `ps-prepare --format criteo`, `ps-server` (2 shards, sync, Adagrad) and two `ps-worker --model dlrm`
 streaming the prepared shards; then it trains the same DLRM in this process on the same samples (`train_reference`)
-and prints the held-out AUC of both next to the ceiling (the planted probabilities' own AUC).
+and prints the held-out AUC of both next to the ceiling (the planted probabilities' own AUC). A `ps-serve` follows the
+job while it trains; at the end the DLRM is served from it, its predictions checked against the model the workers
+saved, with the copies' freshness (worker.demos.served).
 
 The two runs see the same samples in the same steps: worker r reads its shards in the order the trainer draws
 (StreamedDataset.batches(r, 2, ...)), and the local step t trains on the concatenation of the workers' step-t
@@ -159,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     way to the ceiling."""
     from worker.demos.demo import _address_of, _stop
     from worker.demos.planted import ceiling_auc, make_click_logs, write_criteo
+    from worker.demos.served import PsServe, check_served
 
     args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -209,8 +212,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             bufsize=1,
         )
         workers: list[subprocess.Popen[bytes]] = []
+        serving: PsServe | None = None
+        saved = str(Path(tmp) / "dlrm.safetensors")
         try:
             address = _address_of(server)
+            serving = PsServe(address)  # it follows the job from its first version
             worker_args = [
                 "--dataset",
                 dataset,
@@ -228,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 str(args.seed),
                 "--threads",
                 str(args.threads),
+                "--save-model",
+                saved,
                 *quiet,
             ]
             print(f"$ ps-worker --server {address} {' '.join(worker_args)} (x{WORKERS})", flush=True)
@@ -241,16 +249,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 1
             seconds = time.perf_counter() - began
             metrics = [json.loads((Path(tmp) / f"worker-{rank}.json").read_text()) for rank in range(WORKERS)]
+            served_ok = check_served(serving.wait_ready(), address, dataset, saved, tables, args.seed)
         except KeyboardInterrupt:
             print("\ninterrupted: stopping workers and servers", file=sys.stderr)
             return 130
         finally:
             for w in workers:
                 _stop(w, signal.SIGINT)
+            if serving is not None:
+                serving.stop()
             status = _stop(server, signal.SIGTERM)
     got = metrics[0]["test_auc"]
     gap, fraction = abs(got - local["test_auc"]), (got - 0.5) / (ceiling - 0.5)
-    ok = gap <= TARGET_GAP and fraction >= TARGET_FRACTION and status == 0
+    ok = gap <= TARGET_GAP and fraction >= TARGET_FRACTION and status == 0 and served_ok
     samples = sum(m["samples"] for m in metrics)
     print(
         f"distributed (2 shards, {WORKERS} workers, sync): AUC {got:.4f} in {seconds:.1f} s "
