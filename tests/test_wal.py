@@ -12,7 +12,7 @@ import torch
 from paramserver.config import ServerConfig
 from paramserver.placement import TensorSpec, place
 from paramserver.shard import wal
-from paramserver.shard.sparse import RowBlock
+from paramserver.shard.row_blocks import RowBlock
 from paramserver.shard.state import Shard
 from paramserver.tables import TableSpec, shard_of
 

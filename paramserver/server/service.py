@@ -32,7 +32,7 @@ from paramserver.shard import schedules
 from paramserver.shard.export import Exports, export_rows
 from paramserver.shard.given_rows import GivenRows
 from paramserver.shard.model import ShardModel
-from paramserver.shard.sparse import SparseIn
+from paramserver.shard.sparse_in import SparseIn
 from paramserver.shard.state import Shard
 from paramserver.tables import TableSpec, spec_from_proto, spec_to_proto
 from paramserver.v1 import ps_pb2, ps_pb2_grpc

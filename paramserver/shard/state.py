@@ -40,7 +40,7 @@ from paramserver.shard.model import ShardModel
 from paramserver.shard.pool import BufferPool
 from paramserver.shard.publication import Publication
 from paramserver.shard.replicator import Forwarded, ReplicaFeed, Replicator
-from paramserver.shard.sparse import RowBlock
+from paramserver.shard.row_blocks import RowBlock
 from paramserver.shard.status import ShardStats, ShardStatus
 from paramserver.shard.update import Consumers, PendingPushes, Update, apply_update
 from paramserver.tables import TableSpec
