@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -94,7 +96,8 @@ def copies(job: tuple[LocalCluster, PSClient, Model]) -> Iterator[tuple[str, obj
 
 
 def caught_up(served: ServingClient, client: PSClient) -> bool:
-    return list(served.status().versions) == list(client.versions)
+    status = served.status()
+    return status.ready and list(status.versions) == list(client.versions)
 
 
 def test_a_serving_copy_follows_training_and_answers_at_one_version(
@@ -173,9 +176,8 @@ def test_a_copy_past_the_shards_record_of_changes_catches_up_from_the_rows_versi
         held = [ShardCopy(i, [spec_from_proto(t) for t in topology.tables]) for i in range(2)]
 
         def follow(copy: ShardCopy) -> None:
-            request = ps_pb2.FollowRequest(
-                model_digest=copy.digest, since_version=copy.version, incarnation=copy.incarnation, full=not copy.digest
-            )
+            digest, since, incarnation, full, _ = copy.position()
+            request = ps_pb2.FollowRequest(model_digest=digest, since_version=since, incarnation=incarnation, full=full)
             copy.take(stubs[copy.index].Follow(request, timeout=30))
 
         for copy in held:
@@ -307,8 +309,13 @@ def test_a_copy_keeps_serving_across_a_shard_restart(
         seen = [step(client, model, g) for _ in range(8)]
         proc, address = _ps_serve(cluster.address)
         try:
-            with ServingClient(address) as served:
+            with ServingClient(address) as served, ServingClient(address) as reader:
                 assert wait_until(lambda: caught_up(served, client), 30)
+                # Reads go on while the shard is down and while the copy takes its state again: it serves the
+                # state it held until the new one is whole.
+                stop, failed = threading.Event(), []
+                answered = threading.Thread(target=_read_until, args=(reader, model, stop, failed))
+                answered.start()
                 cluster.kill(0)
                 cluster.procs[0].wait(timeout=10)
                 cluster.restart(0)  # from this thread: the process lives as long as the thread that started it
@@ -319,10 +326,22 @@ def test_a_copy_keeps_serving_across_a_shard_restart(
                 seen += [step(worker, model, g) for _ in range(3)]
                 assert (worker.versions[0] == 11) if durable else (worker.versions[0] == 3)
                 assert wait_until(lambda: caught_up(served, worker), 30), (served.status(), worker.versions)
+                stop.set()
+                answered.join(timeout=30)
+                assert not failed, failed[:3]
                 # Rows only the lost history wrote read as the restarted shard reads them (initial rows) too.
                 same_as_training(served, model, seen)
         finally:
             _stop(proc)
+
+
+def _read_until(reader: ServingClient, model: Model, stop: threading.Event, failed: list[BaseException]) -> None:
+    while not stop.is_set():
+        try:
+            reader.lookup(model, "item", torch.arange(20))
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            failed.append(exc)
+        time.sleep(0.01)
 
 
 def test_the_publication_record_is_bounded_and_says_what_it_no_longer_covers() -> None:

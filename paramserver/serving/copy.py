@@ -3,8 +3,9 @@ log), at one version, replaced by whole versions as the Follow streams from the 
 
 A stream is read whole before anything changes here, then applied under the copy's lock, so a read sees the
 version before or the version after, never a mix. A full state (a copy starting, or re-syncing after a restart of
-the shard without a log) is built beside the held one and swapped in; it starts at a version its rows may be newer
-than, so the copy is not `ready` until the changes since that version applied too.
+the shard without a log) is built beside the held one, which goes on serving; it starts at a version its rows may
+be newer than, so it is swapped in only once the changes since that version applied to it too. A copy starting is
+`ready` from then on.
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ class _Received:
     rows: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
+@dataclass
+class _Next:
+    """A whole state taken from the shard, held beside the served one until the changes since it began apply."""
+
+    groups: list[RowGroup]
+    dense: np.ndarray
+    version: int
+    incarnation: str
+    digest: str
+
+
 class ShardCopy:
     """A serving copy of shard `index` of a model with these tables."""
 
@@ -53,6 +65,8 @@ class ShardCopy:
         # Each table's (group, tag): its tag is its place among its group's tables.
         self._where = {k: (g, members.index(k)) for g, members in enumerate(self._members) for k in members}
         self._groups = self._new_groups()
+        self._next: _Next | None = None  # a whole state taken, not whole yet (see `position`)
+        self._start_over = False
 
     def _new_groups(self) -> list[RowGroup]:
         # Values only, the tables of one width in one group (as on the shard: one probe, one gather, one scatter per
@@ -64,19 +78,39 @@ class ShardCopy:
     def has_state(self) -> bool:
         return bool(self.digest)
 
+    def position(self) -> tuple[str, int, str, bool, bool]:
+        """What to ask the shard for next: (model digest, since version, incarnation, full, catching up). While a
+        whole state taken is not yet whole (`catching up`: the changes since it began have to follow), the copy
+        goes on serving the state it held before."""
+        n = self._next
+        if n is not None:
+            return n.digest, n.version, n.incarnation, False, True
+        return self.digest, self.version, self.incarnation, self._start_over or not self.digest, False
+
+    def start_over(self) -> None:
+        """Take a whole state again at the next answer (a stream that did not fit); serve the held one meanwhile."""
+        self._next = None
+        self._start_over = True
+
     # -- taking the shard's stream -------------------------------------------------------------------------------
 
     def take(self, messages: Iterable[ps_pb2.FollowMessage]) -> int:
-        """Apply one Follow stream (read whole first); return the version held after it."""
+        """Apply one Follow stream (read whole first); return the version served after it. A whole state is built
+        beside the served one and swapped in once the changes since it began applied to it too."""
         got = self._receive(messages)
         head = got.head
         if head.full:
             groups = self._new_groups()
             self._put(groups, got.rows)
+            self._next = _Next(groups, got.dense, head.version, head.incarnation, head.model_digest)
+            self._start_over = False
+        elif self._next is not None:
+            n, self._next = self._next, None
+            self._put(n.groups, got.rows)  # nobody reads it yet: no lock
             with self.lock:
-                self._groups, self._dense = groups, got.dense
-                self.version, self.incarnation, self.digest = head.version, head.incarnation, head.model_digest
-                self.ready = False  # its rows may be newer than its version: whole once the changes since apply
+                self._groups, self._dense = n.groups, got.dense if head.dense_elements else n.dense
+                self.version, self.incarnation, self.digest = head.version, head.incarnation, n.digest
+                self.ready = True
         else:
             with self.lock:
                 self._put(self._groups, got.rows)

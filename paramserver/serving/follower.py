@@ -48,9 +48,11 @@ class Follower:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Stop following (`wait`: until the thread ended, at most one long poll and a little more)."""
         self._stop.set()
-        self._thread.join(timeout=POLL_MS / 1000 + 5)
+        if wait and self._thread.is_alive():
+            self._thread.join(timeout=POLL_MS / 1000 + 5)
 
     def _run(self) -> None:
         backoff = 0.05
@@ -63,7 +65,7 @@ class Follower:
                     began = time.monotonic()
                     self._follow_once(stub)
                     backoff = 0.05
-                    if self.copy.ready:  # a copy catching up asks again at once
+                    if not self.copy.position()[4]:  # a copy catching up asks again at once
                         self._stop.wait(max(0.0, self.interval - (time.monotonic() - began)))
             except grpc.RpcError as err:
                 code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
@@ -75,19 +77,20 @@ class Follower:
                 backoff = min(backoff * 2, 1.0)
             except ValueError as exc:  # a stream that does not fit: take the whole state again
                 log.warning("shard %d: %s; taking its whole state again", self.copy.index, exc)
-                self.copy.digest = ""
+                self.copy.start_over()
                 self._stop.wait(backoff)
             finally:
                 channel.close()
 
     def _follow_once(self, stub: ps_pb2_grpc.ParameterServerStub) -> None:
         c = self.copy
+        digest, since, incarnation, full, catching_up = c.position()
         request = ps_pb2.FollowRequest(
-            model_digest=c.digest,
-            since_version=c.version,
-            incarnation=c.incarnation,
-            wait_ms=0 if c.has_state and not c.ready else POLL_MS,
-            full=not c.has_state,
+            model_digest=digest,
+            since_version=since,
+            incarnation=incarnation,
+            wait_ms=0 if catching_up else POLL_MS,
+            full=full,
         )
         before = (c.version, c.ready)
         c.take(stub.Follow(request, timeout=POLL_MS / 1000 + 60))

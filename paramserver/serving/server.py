@@ -55,6 +55,9 @@ class ServingCopies:
         self.tables: tuple[TableSpec, ...] = tuple(spec_from_proto(t) for t in topology.tables)
         self._table_index = {t.name: i for i, t in enumerate(self.tables)}
         held = range(self.num_shards) if shards is None else shards
+        wrong = sorted(set(held) - set(range(self.num_shards)))
+        if wrong:
+            raise InvalidArgument(f"no shard {wrong[0]}: the job has {self.num_shards} (0..{self.num_shards - 1})")
         self.copies: dict[int, ShardCopy] = {i: ShardCopy(i, self.tables) for i in held}
         replicas = list(topology.replicas)
         per = len(replicas) // self.num_shards if replicas else 0
@@ -74,7 +77,7 @@ class ServingCopies:
 
     def stop(self) -> None:
         for f in self.followers:
-            f._stop.set()
+            f.stop(wait=False)  # all at once: each may be in a long poll
         for f in self.followers:
             f.stop()
 
