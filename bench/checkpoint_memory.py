@@ -1,7 +1,7 @@
 """Peak memory and time of restoring a shard checkpoint: the first format (a JSON header, raw bytes, a sha256
-trailer) against safetensors (paramserver.shard.checkpoint now).
+trailer) against safetensors (paramserver.shard.durability.checkpoint now).
 
-    git show <rev before safetensors>:paramserver/shard/checkpoint.py > /tmp/ckpt_old/checkpoint_old.py
+    git show <rev before safetensors>:paramserver/shard/durability/checkpoint.py > /tmp/ckpt_old/checkpoint_old.py
     .venv/bin/python bench/checkpoint_memory.py                      # 400 MB, 3 runs of each, interleaved
     .venv/bin/python bench/checkpoint_memory.py --size-mb 100 --runs 1 --old /tmp/ckpt_old/checkpoint_old.py
 
@@ -11,8 +11,8 @@ in a fresh child process, so that nothing of an earlier one (the allocator's fre
 counted:
 - load: the child allocates the model's parameters (zeros, resident), then `checkpoint.load(path)` and copies the
   parameters into that tensor (what a restore does with them; the optimizer keeps the state tensors it is given);
-- restore: `paramserver.shard.persistence.restored` as a restarted shard runs it (the newest file of a directory,
-  the model built, its parameters copied, the optimizer's state loaded), with that module as `checkpoint`.
+- restore: `paramserver.shard.durability.persistence.restored` as a restarted shard runs it (the newest file of a
+  directory, the model built, its parameters copied, the optimizer's state loaded), with that module as `checkpoint`.
 Peak: the kernel's high-water mark of the child's resident memory (VmHWM, reset through /proc/self/clear_refs
 just before) less its resident memory then, divided by the checkpoint's size. The restore's model itself is the
 checkpoint's size (1.0x): what it holds beyond that is the cost of reading. The page cache holds the file in
@@ -60,7 +60,7 @@ def status(field: str) -> int:
 def module(which: str, old: str) -> ModuleType:
     """The checkpoint module of one format: "new" (this tree's) or "old" (the file `old`)."""
     if which == "new":
-        return importlib.import_module("paramserver.shard.checkpoint")
+        return importlib.import_module("paramserver.shard.durability.checkpoint")
     path = Path(old)
     if not path.is_file():
         sys.exit(f"{path}: no copy of the first format's module; see this script's docstring for how to make one")
@@ -103,7 +103,7 @@ def child(args: argparse.Namespace) -> None:
         params = torch.zeros(args.numel)  # the model's parameters, resident before the load
         path = ckpt.list_checkpoints(directory, 0)[0]
     else:
-        from paramserver.shard import persistence
+        from paramserver.shard.durability import persistence
         from paramserver.shard.optimizers import warm_up_optimizer
 
         persistence.checkpoint = ckpt

@@ -140,7 +140,8 @@ def sparse(ix: _Index) -> list[str]:
         ]
         note = next((f["params"]["dim_note"] for f in held if f["params"].get("dim_note")), "")
         lines += [
-            "Row table (paramserver.shard.row_store.RowTable, Adagrad), one process, no servers: held = its nbytes "
+            "Row table (paramserver.shard.sparse.row_store.RowTable, Adagrad), one process, no servers: held = its "
+            "nbytes "
             "(value and state slabs, hash index, per-slot arrays); RSS growth after malloc_trim (glibc keeps the "
             "heap freed temporaries held, a fixed amount, not a cost per row). Filled 4,096 new IDs an apply, in a "
             "random order; the slabs grow by 1.25x, so slots ÷ rows lies anywhere in 1.0-1.25x. ms per batch: lookup "

@@ -1,4 +1,4 @@
-"""Sparse tables' memory (part of the sparse section): a `RowTable` (paramserver.shard.row_store, Adagrad) filled
+"""Sparse tables' memory (part of the sparse section): a `RowTable` (paramserver.shard.sparse.row_store, Adagrad) filled
 with a small and a large number of rows, in a process of its own: bytes it holds (`nbytes`: slabs, index, per-slot
 arrays) and its anonymous RSS growth (after malloc_trim: glibc keeps the heap that freed temporaries held, a fixed
 amount reused by later batches, not a cost per row; the untrimmed growth is in the figure's extra), over rows x
@@ -77,7 +77,7 @@ def _memory(chan: Channel, params: dict[str, Any]) -> None:
     import numpy as np
     import torch
 
-    from paramserver.shard.row_store import RowTable
+    from paramserver.shard.sparse.row_store import RowTable
     from paramserver.tables import TableSpec
 
     torch.set_num_threads(1)

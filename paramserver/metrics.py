@@ -78,7 +78,7 @@ def memory_limit() -> float:
 
 
 class TableFigures(Protocol):
-    """What the metrics read of one sparse table (paramserver.shard.sparse.TableFigures)."""
+    """What the metrics read of one sparse table (paramserver.shard.sparse.tables.TableFigures)."""
 
     @property
     def rows(self) -> int: ...

@@ -29,7 +29,7 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31, _S11, _S32 = (np.uint64(s) for s in (30, 27, 31, 11, 32))
 
 # The row optimizers a table may name; "" takes the job's (DEFAULT_ROW_OPTIMIZER). The shard's registry
-# (paramserver.shard.row_optimizers) implements exactly these.
+# (paramserver.shard.sparse.row_optimizers) implements exactly these.
 ROW_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 # A table that names no optimizer uses the one that acts on rows as the job's optimizer acts on dense tensors.
 DEFAULT_ROW_OPTIMIZER = {"sgd": "sgd", "momentum": "sgd", "adam": "adam", "adamw": "adam", "adagrad": "adagrad"}

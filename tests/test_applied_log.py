@@ -21,7 +21,8 @@ from paramserver.config import ServerConfig
 from paramserver.errors import InvalidArgument
 from paramserver.placement import TensorSpec, place
 from paramserver.server.cluster import LocalCluster
-from paramserver.shard import checkpoint, membership
+from paramserver.shard import membership
+from paramserver.shard.durability import checkpoint
 from paramserver.shard.membership import AppliedLog
 from paramserver.shard.state import Shard
 from worker import PSClient

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from paramserver.config import ServerConfig
 from paramserver.placement import TensorSpec, place
 from paramserver.server.cluster import LocalCluster
-from paramserver.shard import checkpoint
-from paramserver.shard.checkpoint import KEEP, LEGACY_MAGIC, CorruptCheckpoint, Snapshot
+from paramserver.shard.durability import checkpoint
+from paramserver.shard.durability.checkpoint import KEEP, LEGACY_MAGIC, CorruptCheckpoint, Snapshot
 from paramserver.shard.optimizers import make_optimizer
 from paramserver.shard.state import Shard
 from worker.client import PSClient

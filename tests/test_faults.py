@@ -24,7 +24,7 @@ import torch
 
 from paramserver import LocalCluster, ServerConfig
 from paramserver.placement import TensorSpec, place
-from paramserver.shard import checkpoint
+from paramserver.shard.durability import checkpoint
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from worker import PSClient
 from worker.data.datasets import load_dataset, shard_for_rank, steps_per_epoch

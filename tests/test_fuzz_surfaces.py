@@ -29,7 +29,7 @@ from test_shared_memory import Raw
 from paramserver.config import ServerConfig
 from paramserver.errors import InvalidArgument, TooLarge
 from paramserver.server.service import tables_from_proto
-from paramserver.shard.sparse import ShardTables
+from paramserver.shard.sparse.tables import ShardTables
 from paramserver.tables import TableSpec, spec_to_proto
 from paramserver.v1 import ps_pb2
 from worker.client import group_wire

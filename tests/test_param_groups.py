@@ -23,7 +23,7 @@ from paramserver.config import ServerConfig, from_arguments
 from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
 from paramserver.server.cli import build_parser
 from paramserver.server.cluster import LocalCluster, config_to_args
-from paramserver.shard import checkpoint, persistence
+from paramserver.shard.durability import checkpoint, persistence
 from paramserver.shard.model import ShardModel, build_model
 from paramserver.shard.optimizers import decay_patterns
 from paramserver.shard.reshard_source import replay_config

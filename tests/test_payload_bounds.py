@@ -23,7 +23,7 @@ from test_shared_memory import CALL_TIMEOUT, JOB, RAW_CONFIG, WORKER, Raw
 
 from paramserver.placement import TensorSpec, place
 from paramserver.server.cluster import LocalCluster
-from paramserver.shard.sparse import MAX_LOOKUP_BYTES
+from paramserver.shard.sparse.tables import MAX_LOOKUP_BYTES
 from paramserver.tables import TableSpec, spec_to_proto
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire import compression

@@ -16,7 +16,7 @@ from torch import nn
 from paramserver.config import ServerConfig
 from paramserver.placement import SLICE_ELEMENTS, place
 from paramserver.server.cluster import LocalCluster
-from paramserver.shard import checkpoint
+from paramserver.shard.durability import checkpoint
 from paramserver.shard.reshard import ReshardError, main, reshard
 from worker import PSClient, SparseEmbedding
 

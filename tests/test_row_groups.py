@@ -1,4 +1,4 @@
-"""Tables of one width and row optimizer share one store on a shard (paramserver.shard.row_store.RowGroup): a
+"""Tables of one width and row optimizer share one store on a shard (paramserver.shard.sparse.row_store.RowGroup): a
 group of tables must do to each table exactly what a store of its own does, whatever IDs the tables share; and the
 blocks of a request are one batch without a copy."""
 
@@ -11,9 +11,9 @@ import pytest
 
 from paramserver.config import ServerConfig
 from paramserver.errors import InvalidArgument
-from paramserver.shard.row_blocks import RowBlock, combine, joined, planned
-from paramserver.shard.row_store import RowGroup, RowTable
-from paramserver.shard.sparse import ShardTables
+from paramserver.shard.sparse.row_blocks import RowBlock, combine, joined, planned
+from paramserver.shard.sparse.row_store import RowGroup, RowTable
+from paramserver.shard.sparse.tables import ShardTables
 from paramserver.tables import TableSpec
 from paramserver.v1 import ps_pb2
 

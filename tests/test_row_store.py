@@ -1,7 +1,7 @@
-"""A shard's sparse table rows (paramserver.shard.row_store.RowTable) and their optimizers
-(paramserver.shard.row_optimizers), through their public API: the row optimizers against torch's own optimizers on
-an `nn.Embedding(sparse=True)`, admission, eviction, slot reuse, any int64 ID, a million IDs, checkpoints' state,
-and memory."""
+"""A shard's sparse table rows (paramserver.shard.sparse.row_store.RowTable) and their optimizers
+(paramserver.shard.sparse.row_optimizers), through their public API: the row optimizers against torch's own
+optimizers on an `nn.Embedding(sparse=True)`, admission, eviction, slot reuse, any int64 ID, a million IDs, checkpoints'
+state, and memory."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from paramserver.shard.row_optimizers import ROW_OPTIMIZER_KINDS, row_optimizer
-from paramserver.shard.row_store import RowTable
+from paramserver.shard.sparse.row_optimizers import ROW_OPTIMIZER_KINDS, row_optimizer
+from paramserver.shard.sparse.row_store import RowTable
 from paramserver.tables import ROW_OPTIMIZERS, TableSpec, initial_rows
 
 

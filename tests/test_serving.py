@@ -346,7 +346,7 @@ def _read_until(reader: ServingClient, model: Model, stop: threading.Event, fail
 
 def test_the_publication_record_is_bounded_and_says_what_it_no_longer_covers() -> None:
     from paramserver.shard.publication import Publication
-    from paramserver.shard.row_blocks import RowBlock
+    from paramserver.shard.sparse.row_blocks import RowBlock
     from paramserver.shard.update import Update
 
     pub = Publication(tables=2, version=0, limit_bytes=8 * 8)

@@ -1,5 +1,5 @@
 """Tables declared by an InitHeader, checked from the header alone before anything is allocated (issue 36, defects
-2 and 3): a bounded table too large for a direct index (paramserver/shard/sparse.py, direct_index) is indexed by
+2 and 3): a bounded table too large for a direct index (paramserver/shard/sparse/tables.py, direct_index) is indexed by
 hashing, which grows with the rows held, so a header of a few hundred bytes declaring 2^62 or 2^26 IDs commits no
 memory for them, and direct indexes together stay within a quarter of --max-table-bytes.
 
@@ -17,8 +17,8 @@ import pytest
 from paramserver.config import ServerConfig
 from paramserver.placement import TensorSpec, place
 from paramserver.server.cluster import LocalCluster
-from paramserver.shard.id_hash import DirectIndex, IdHash
-from paramserver.shard.sparse import ShardTables
+from paramserver.shard.sparse.id_hash import DirectIndex, IdHash
+from paramserver.shard.sparse.tables import ShardTables
 from paramserver.tables import TableSpec, shard_of, spec_to_proto
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 

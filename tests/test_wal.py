@@ -11,8 +11,8 @@ import torch
 
 from paramserver.config import ServerConfig
 from paramserver.placement import TensorSpec, place
-from paramserver.shard import wal
-from paramserver.shard.row_blocks import RowBlock
+from paramserver.shard.durability import wal
+from paramserver.shard.sparse.row_blocks import RowBlock
 from paramserver.shard.state import Shard
 from paramserver.tables import TableSpec, shard_of
 

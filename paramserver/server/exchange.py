@@ -32,9 +32,9 @@ import numpy as np
 from paramserver.errors import MalformedStream, PSError
 from paramserver.shard import reads
 from paramserver.shard.model import ShardModel
-from paramserver.shard.replicator import Forwarded
-from paramserver.shard.row_blocks import RowBlock
-from paramserver.shard.sparse_in import SparseIn
+from paramserver.shard.replication.replicator import Forwarded
+from paramserver.shard.sparse.row_blocks import RowBlock
+from paramserver.shard.sparse.sparse_in import SparseIn
 from paramserver.shard.state import Shard
 from paramserver.transport import shm
 from paramserver.v1 import ps_pb2

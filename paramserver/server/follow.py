@@ -17,7 +17,7 @@ import numpy as np
 from paramserver.errors import ShuttingDown
 from paramserver.server.streams import StreamGate
 from paramserver.shard.model import ShardModel
-from paramserver.shard.row_blocks import RowBlock
+from paramserver.shard.sparse.row_blocks import RowBlock
 from paramserver.shard.state import Shard
 from paramserver.v1 import ps_pb2
 from paramserver.wire.chunks import CHUNK_BYTES

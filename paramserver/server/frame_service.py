@@ -14,7 +14,7 @@ from paramserver.server.exchange import (
     Want,
     segment_route,
 )
-from paramserver.shard.sparse import MAX_ROWS_BYTES
+from paramserver.shard.sparse.tables import MAX_ROWS_BYTES
 from paramserver.transport import shm
 from paramserver.v1 import ps_pb2
 from paramserver.wire.chunks import FLOAT32, wire_dtype

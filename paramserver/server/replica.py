@@ -4,9 +4,9 @@ Roles live in the coordinator (paramserver.coord: the primary, the in-sync copie
 compare-and-swap. The primary serves workers; the backup refuses them (NotPrimary, so they try the other copy).
 
 The stream is chain replication with a chain of two: the primary hands each update, exactly as its write-ahead
-log encodes it (paramserver.shard.wal), to the backup over a TCP connection, under the shard's lock and in version
-order; the backup logs and applies it and answers with the version. While the backup is in the in-sync set, a
-push is acknowledged only once the backup has answered for the version holding it, so every acknowledged update
+log encodes it (paramserver.shard.durability.wal), to the backup over a TCP connection, under the shard's lock
+and in version order; the backup logs and applies it and answers with the version. While the backup is in the in-sync
+set, a push is acknowledged only once the backup has answered for the version holding it, so every acknowledged update
 is on both copies. The primary's end of the link is paramserver.server.replica_leader's; the messages and the
 backup's end are paramserver.server.replica_stream's.
 
@@ -36,7 +36,7 @@ from paramserver.coord import CoordinatorUnavailable, Etcd, PartConfig, PartRegi
 from paramserver.security import client_ssl_context, read_token, server_ssl_context
 from paramserver.server.replica_leader import Edit, Leader
 from paramserver.server.replica_stream import Follower
-from paramserver.shard import standby
+from paramserver.shard.replication import standby
 from paramserver.shard.state import Shard
 
 log = logging.getLogger(__name__)

@@ -42,8 +42,8 @@ from paramserver.server.replica_stream import (
     recv_message,
     send_message,
 )
-from paramserver.shard import checkpoint
-from paramserver.shard.replicator import Forwarded
+from paramserver.shard.durability import checkpoint
+from paramserver.shard.replication.replicator import Forwarded
 from paramserver.shard.state import Shard
 from paramserver.transport.tcp import keep_alive
 

@@ -6,7 +6,7 @@ primary's heartbeats; and the link's message format, which both ends speak.
 Messages, primary to backup:
 
     b"S" u64 n, n bytes   the whole state (a checkpoint file) a backup starts from
-    b"R" record           one update, as the write-ahead log writes it (paramserver.shard.wal)
+    b"R" record           one update, as the write-ahead log writes it (paramserver.shard.durability.wal)
     b"P" u64 id, u64 offset, u32 n, n bytes
                           a piece of a push forwarded while it arrives (paramserver.server.replica_outbox): bytes
                           [offset, offset + n) of its flat float32 gradient, pieces in order
@@ -45,7 +45,8 @@ import numpy as np
 
 from paramserver.config import ServerConfig
 from paramserver.coord import CoordinatorUnavailable, PartConfig, PartRegister
-from paramserver.shard import checkpoint, standby, wal
+from paramserver.shard.durability import checkpoint, wal
+from paramserver.shard.replication import standby
 from paramserver.shard.state import Shard
 from paramserver.transport.tcp import keep_alive
 

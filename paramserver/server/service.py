@@ -29,10 +29,10 @@ from paramserver.server.exchange import (
 from paramserver.server.follow import Followers
 from paramserver.server.streams import SharedWeights, StreamGate, caps
 from paramserver.shard import schedules
-from paramserver.shard.export import Exports, export_rows
-from paramserver.shard.given_rows import GivenRows
 from paramserver.shard.model import ShardModel
-from paramserver.shard.sparse_in import SparseIn
+from paramserver.shard.sparse.export import Exports, export_rows
+from paramserver.shard.sparse.given_rows import GivenRows
+from paramserver.shard.sparse.sparse_in import SparseIn
 from paramserver.shard.state import Shard
 from paramserver.tables import TableSpec, spec_from_proto, spec_to_proto
 from paramserver.v1 import ps_pb2, ps_pb2_grpc

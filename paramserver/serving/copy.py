@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from paramserver.errors import InvalidArgument
-from paramserver.shard.row_store import RowGroup
+from paramserver.shard.sparse.row_store import RowGroup
 from paramserver.tables import TableSpec
 from paramserver.v1 import ps_pb2
 

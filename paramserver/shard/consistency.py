@@ -17,7 +17,7 @@ from paramserver import modes
 from paramserver.config import ServerConfig
 from paramserver.errors import StaleRound
 from paramserver.shard.membership import Membership
-from paramserver.shard.row_blocks import RowBlock, combine
+from paramserver.shard.sparse.row_blocks import RowBlock, combine
 from paramserver.v1 import ps_pb2
 
 

@@ -16,7 +16,7 @@ from paramserver.errors import InvalidArgument, ModelMismatch, TooLarge
 from paramserver.placement import SLICE_ELEMENTS, Piece, Placement, TensorSpec, place
 from paramserver.shard import buffers
 from paramserver.shard.optimizers import WeightDecay, decay_patterns, exempt, make_optimizer, make_weight_decay
-from paramserver.shard.sparse import ShardTables
+from paramserver.shard.sparse.tables import ShardTables
 from paramserver.tables import TableSpec
 
 log = logging.getLogger(__name__)

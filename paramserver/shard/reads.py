@@ -13,7 +13,7 @@ import numpy as np
 
 from paramserver.errors import PullTimeout, ShuttingDown
 from paramserver.shard.model import ShardModel
-from paramserver.shard.row_blocks import RowBlock
+from paramserver.shard.sparse.row_blocks import RowBlock
 
 if TYPE_CHECKING:
     from paramserver.shard.state import Shard

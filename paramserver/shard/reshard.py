@@ -38,8 +38,8 @@ import torch
 from paramserver.config import ServerConfig
 from paramserver.placement import place
 from paramserver.shard import buffers as buffer_rules
-from paramserver.shard import checkpoint
-from paramserver.shard.checkpoint import Snapshot
+from paramserver.shard.durability import checkpoint
+from paramserver.shard.durability.checkpoint import Snapshot
 from paramserver.shard.reshard_cut import plan_optimizer, regather, table_part, tables_plan, union_applied
 from paramserver.shard.reshard_source import ReshardError, read_source, replay_config
 from paramserver.tables import shard_of

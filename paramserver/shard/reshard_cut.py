@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from paramserver.placement import Placement
-from paramserver.shard.checkpoint import Snapshot
+from paramserver.shard.durability.checkpoint import Snapshot
 from paramserver.shard.membership import REMEMBERED_STEPS
 from paramserver.shard.reshard_source import Part, ReshardError
 

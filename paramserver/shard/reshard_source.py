@@ -11,8 +11,8 @@ from typing import Any
 
 from paramserver.config import ServerConfig
 from paramserver.placement import place
-from paramserver.shard import checkpoint, persistence, wal
-from paramserver.shard.checkpoint import Snapshot
+from paramserver.shard.durability import checkpoint, persistence, wal
+from paramserver.shard.durability.checkpoint import Snapshot
 from paramserver.shard.membership import AppliedLog
 
 

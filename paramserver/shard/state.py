@@ -29,18 +29,19 @@ from paramserver.errors import (
 )
 from paramserver.metrics import ShardMetrics
 from paramserver.placement import TensorSpec
-from paramserver.shard import persistence, roster, status
+from paramserver.shard import roster, status
 from paramserver.shard.attachments import Attachments
-from paramserver.shard.checkpoint import Snapshot
 from paramserver.shard.consistency import make_policy
+from paramserver.shard.durability import persistence
+from paramserver.shard.durability.checkpoint import Snapshot
 from paramserver.shard.initialise import InitSlot
 from paramserver.shard.maintenance import Maintenance
 from paramserver.shard.membership import AppliedLog, Membership
 from paramserver.shard.model import ShardModel
 from paramserver.shard.pool import BufferPool
 from paramserver.shard.publication import Publication
-from paramserver.shard.replicator import Forwarded, ReplicaFeed, Replicator
-from paramserver.shard.row_blocks import RowBlock
+from paramserver.shard.replication.replicator import Forwarded, ReplicaFeed, Replicator
+from paramserver.shard.sparse.row_blocks import RowBlock
 from paramserver.shard.status import ShardStats, ShardStatus
 from paramserver.shard.update import Consumers, PendingPushes, Update, apply_update
 from paramserver.tables import TableSpec

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from paramserver.shard.model import ShardModel
-from paramserver.shard.row_blocks import RowBlock
+from paramserver.shard.sparse.row_blocks import RowBlock
 
 if TYPE_CHECKING:
-    from paramserver.shard.replicator import Forwarded
+    from paramserver.shard.replication.replicator import Forwarded
 
 
 @dataclass
@@ -50,10 +50,10 @@ class Update:
     _encoded: list[memoryview | bytes] | None = field(default=None, repr=False)
 
     def encoded(self) -> list[memoryview | bytes]:
-        """The record as the log writes and the replica link streams it (paramserver.shard.wal.encode), made
+        """The record as the log writes and the replica link streams it (paramserver.shard.durability.wal.encode), made
         once however many consumers ask."""
         if self._encoded is None:
-            from paramserver.shard import wal  # wal decodes into Updates: imported late, not in a circle
+            from paramserver.shard.durability import wal  # wal decodes into Updates: imported late, not in a circle
 
             self._encoded = wal.encode(self.version, self.pushes, self.grad, self.rows, self.wall)
         return self._encoded

@@ -1,7 +1,7 @@
 """The optimizers of sparse embedding rows: one registry, name -> how many state columns a row carries and the step.
 
-A shard keeps a table's rows and their optimizer state in two slabs (paramserver.shard.row_store), so an optimizer
-here is not a torch.optim object over a parameter but a vectorised function over a batch of gathered rows: the
+A shard keeps a table's rows and their optimizer state in two slabs (paramserver.shard.sparse.row_store), so an
+optimizer here is not a torch.optim object over a parameter but a vectorised function over a batch of gathered rows: the
 rows an update touches, their state and their gradient, summed per unique ID as torch's coalesced sparse gradient
 has it. Each reproduces, to a float32 rounding, what torch's own optimizer does to an `nn.Embedding(sparse=True)`
 with its default hyperparameters, operation for operation where torch's order is known, so that a model trained
@@ -90,10 +90,10 @@ _REGISTERED = (
 )
 ROW_OPTIMIZER_KINDS: dict[str, RowOptimizer] = {k.name: k for k in _REGISTERED}
 if len(ROW_OPTIMIZER_KINDS) != len(_REGISTERED):
-    raise ImportError("paramserver.shard.row_optimizers: a row optimizer name is registered twice")
+    raise ImportError("paramserver.shard.sparse.row_optimizers: a row optimizer name is registered twice")
 if set(ROW_OPTIMIZER_KINDS) != set(ROW_OPTIMIZERS):
     raise ImportError(
-        "paramserver.shard.row_optimizers implements "
+        "paramserver.shard.sparse.row_optimizers implements "
         f"{sorted(ROW_OPTIMIZER_KINDS)}, but paramserver.tables.ROW_OPTIMIZERS names {sorted(ROW_OPTIMIZERS)}"
     )
 

@@ -13,8 +13,8 @@ import time
 import numpy as np
 
 from paramserver.errors import InvalidArgument, MalformedStream, TooLarge
-from paramserver.shard.row_blocks import RowBlock
-from paramserver.shard.sparse import ROW_OVERHEAD_BYTES, ShardTables
+from paramserver.shard.sparse.row_blocks import RowBlock
+from paramserver.shard.sparse.tables import ROW_OVERHEAD_BYTES, ShardTables
 from paramserver.v1 import ps_pb2
 
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from paramserver.shard import persistence
-from paramserver.shard.checkpoint import Snapshot
+from paramserver.shard.durability import persistence
+from paramserver.shard.durability.checkpoint import Snapshot
 from paramserver.shard.membership import AppliedLog
 from paramserver.shard.update import Update
 

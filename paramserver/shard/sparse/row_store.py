@@ -4,9 +4,9 @@
 A batch of IDs is the unit of work: a few thousand IDs of any of the group's tables cost one probe, one gather, one
 optimizer step and one scatter, never a Python step per ID or per table, and no work that grows with the table.
 
-- `RowGroup`: the tables' rows on a RowSlab (paramserver.shard.row_slab: values and optimizer state in two slabs, a
-  row keyed by (its table's tag, its ID) in an IdHash, or a DirectIndex for small bounded tables; per slot, the ID,
-  the tag, the version and time of its last update; a free-slot stack reuses evicted slots). Each table keeps its
+- `RowGroup`: the tables' rows on a RowSlab (paramserver.shard.sparse.row_slab: values and optimizer state in two
+  slabs, a row keyed by (its table's tag, its ID) in an IdHash, or a DirectIndex for small bounded tables; per slot, the
+  ID, the tag, the version and time of its last update; a free-slot stack reuses evicted slots). Each table keeps its
   own policy (initial rows, admission, eviction by age, capacity) and figures.
 - `RowTable`: a group of one table, with that table's API.
 """
@@ -18,10 +18,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from paramserver.shard.id_hash import DirectIndex, IdHash
-from paramserver.shard.row_optimizers import row_optimizer
-from paramserver.shard.row_slab import RowSlab
-from paramserver.shard.table_state import checked_state, state_bytes
+from paramserver.shard.sparse.id_hash import DirectIndex, IdHash
+from paramserver.shard.sparse.row_optimizers import row_optimizer
+from paramserver.shard.sparse.row_slab import RowSlab
+from paramserver.shard.sparse.table_state import checked_state, state_bytes
 from paramserver.tables import Initialiser, TableSpec, as_ids
 
 _STEP_CHUNK_ELEMENTS = 1 << 22  # floats per gathered chunk in an optimizer step (16 MiB a temporary)

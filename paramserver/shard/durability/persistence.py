@@ -1,8 +1,8 @@
 """A shard's checkpoints and write-ahead log: when a checkpoint is due, the snapshot it takes, the model a restarted
 shard resumes from and the logged updates replayed over it.
 
-The file format and the background writer are paramserver.shard.checkpoint, the log's paramserver.shard.wal; this
-module ties them to a shard's state, handed in (it never takes the Shard itself).
+The file format and the background writer are paramserver.shard.durability.checkpoint, the log's
+paramserver.shard.durability.wal; this module ties them to a shard's state, handed in (it never takes the Shard itself).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from paramserver.config import ServerConfig
 from paramserver.placement import place
-from paramserver.shard import checkpoint, wal
+from paramserver.shard.durability import checkpoint, wal
 from paramserver.shard.membership import AppliedLog
 from paramserver.shard.model import ShardModel, build_model
 from paramserver.shard.optimizers import take_run_settings

@@ -1,4 +1,4 @@
-"""Where a row group's rows live (paramserver.shard.row_store.RowGroup stands on it): values in one float32 slab
+"""Where a row group's rows live (paramserver.shard.sparse.row_store.RowGroup stands on it): values in one float32 slab
 [capacity, dim], optimizer state in another [capacity, state_cols] (one slab of both measured slower: lookups gather
 from a strided view), an index from (tag, ID) to slot, and per slot the ID, the tag, the version and time of its last
 update and whether it is live. Slots are handed out from a free-slot stack (evicted rows' slots) first, then above
@@ -12,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from paramserver.shard.id_hash import DirectIndex, IdHash
+from paramserver.shard.sparse.id_hash import DirectIndex, IdHash
 
 _MIN_SLOTS = 16
 _SLOT_GROWTH = 1.25  # not 2: the slab is most of a group's memory, and a doubling would leave half of it idle

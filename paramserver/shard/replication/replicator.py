@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from paramserver.shard import wal
+from paramserver.shard.durability import wal
 
 if TYPE_CHECKING:
     from paramserver.shard.update import Update

@@ -1,11 +1,11 @@
 """A shard's sparse tables: its rows of every table of the model, the checks on rows that arrive, and the memory cap.
 
-Rows arrive as `RowBlock`s (paramserver.shard.row_blocks): one table's IDs and, in a push, their summed gradients.
-They are received into arrays planned from the request (`plan`), then checked whole (`ShardTables.check`) before
-anything applies, so a refused push or lookup leaves every table exactly as it was. Tables of one width, row
-optimizer and learning rate share one store (paramserver.shard.row_store.RowGroup: rows, optimizer state, admission
-counts, eviction), and a request's blocks of one group are planned as slices of one buffer, so the group checks,
-applies and looks them up as one batch: a model of 52 tables costs a shard a few calls per group, not per table.
+Rows arrive as `RowBlock`s (paramserver.shard.sparse.row_blocks): one table's IDs and, in a push, their summed
+gradients. They are received into arrays planned from the request (`plan`), then checked whole (`ShardTables.check`)
+before anything applies, so a refused push or lookup leaves every table exactly as it was. Tables of one width, row
+optimizer and learning rate share one store (paramserver.shard.sparse.row_store.RowGroup: rows, optimizer state,
+admission counts, eviction), and a request's blocks of one group are planned as slices of one buffer, so the group
+checks, applies and looks them up as one batch: a model of 52 tables costs a shard a few calls per group, not per table.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import numpy as np
 
 from paramserver.config import ServerConfig
 from paramserver.errors import InvalidArgument, TooLarge
-from paramserver.shard.row_blocks import RowBlock, joined, planned
-from paramserver.shard.row_optimizers import row_optimizer
-from paramserver.shard.row_store import RowGroup
-from paramserver.shard.sparse_in import SparseIn
+from paramserver.shard.sparse.row_blocks import RowBlock, joined, planned
+from paramserver.shard.sparse.row_optimizers import row_optimizer
+from paramserver.shard.sparse.row_store import RowGroup
+from paramserver.shard.sparse.sparse_in import SparseIn
 from paramserver.tables import TableSpec, shard_of
 from paramserver.v1 import ps_pb2
 
@@ -45,7 +45,7 @@ MAX_LOOKUP_BYTES = 256 << 20
 ROW_OVERHEAD_BYTES = 64
 
 
-# A group of bounded tables indexes its rows directly, one int32 per possible ID (paramserver.shard.id_hash.
+# A group of bounded tables indexes its rows directly, one int32 per possible ID (paramserver.shard.sparse.id_hash.
 # DirectIndex: a lookup is one `take`, not a hash probe), where that index costs at most DIRECT_INDEX_BYTES or a
 # quarter of what the group's rows would take if this shard held every row it may hold, and never more than
 # `budget`: what is left of a quarter of --max-table-bytes after the groups before it (DIRECT_INDEX_SHARE). The
@@ -344,7 +344,7 @@ class ShardTables:
 
     def give(self, blocks: Sequence[RowBlock], now: float) -> None:
         """Hold these checked rows (none held yet) from the start: version 0, optimizer state zero (an Init's given
-        rows, paramserver.shard.given_rows)."""
+        rows, paramserver.shard.sparse.given_rows)."""
         for block in blocks:
             assert block.values is not None
             group, tag, n = self.groups[self.group_of(block.table)], int(self._tag_of[block.table]), len(block.ids)

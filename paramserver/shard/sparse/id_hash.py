@@ -1,6 +1,6 @@
 """IdHash: open addressing from int64 IDs (or (table tag, ID) pairs) to non-negative ints, whole batches at a time.
 
-A shard's row groups (paramserver.shard.row_store) find a row's slot, and an ID's admission count, here. Linear
+A shard's row groups (paramserver.shard.sparse.row_store) find a row's slot, and an ID's admission count, here. Linear
 probing runs over the whole batch at once: each round looks at a window of cells for every key still unresolved,
 so most keys resolve in the first round and the loop is over rounds, not keys.
 """

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from paramserver.files import shard_files
-from paramserver.shard.row_blocks import RowBlock
+from paramserver.shard.sparse.row_blocks import RowBlock
 from paramserver.shard.update import Update
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """The sparse part of one exchange as it arrives: the rows it pushes and the IDs it looks up, in arrays planned
-from the request (paramserver.shard.sparse.ShardTables.plan) before any byte of them is read, filled from the
+from the request (paramserver.shard.sparse.tables.ShardTables.plan) before any byte of them is read, filled from the
 messages (gRPC) or a frame's payload, and the looked-up rows to answer with."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from paramserver.errors import MalformedStream
-from paramserver.shard.row_blocks import RowBlock
+from paramserver.shard.sparse.row_blocks import RowBlock
 from paramserver.v1 import ps_pb2
 
 

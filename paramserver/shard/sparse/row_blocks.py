@@ -2,7 +2,7 @@
 blocks combined.
 
 A request carries one `RowBlock` per table. A shard's tables of one width and row optimizer are one store
-(paramserver.shard.row_store.RowGroup), which takes all its tables' rows of a request as one batch: `joined`
+(paramserver.shard.sparse.row_store.RowGroup), which takes all its tables' rows of a request as one batch: `joined`
 makes that batch from blocks that are consecutive slices of one buffer (what ShardTables.plan allocates, and what
 `combine` returns) without a copy, and copies only where they are not.
 """
