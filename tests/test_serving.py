@@ -359,3 +359,27 @@ def test_the_publication_record_is_bounded_and_says_what_it_no_longer_covers() -
     assert since is not None
     assert since[0].tolist() == [4, 104] and since[1].tolist() == [5, 105]
     assert [a.tolist() for a in pub.written_since(5) or []] == [[], []]
+
+
+def test_a_copy_of_one_shard_answers_its_ids_and_refuses_the_others(job: tuple[LocalCluster, PSClient, Model]) -> None:
+    """ps-serve --shard-index 1 (one pod per shard): it holds shard 1's rows; a lookup of another shard's IDs is
+    refused with FAILED_PRECONDITION, and a shard the job lacks is refused at the start."""
+    cluster, client, model = job
+    g = torch.Generator().manual_seed(8)
+    seen = [step(client, model, g) for _ in range(5)]
+    users = torch.cat([u for u, _ in seen])
+    owner = torch.from_numpy(shard_of(users.numpy(), 2))
+    with pytest.raises(Exception, match="no shard 5: the job has 2"):
+        serve(cluster.address, shards=[5])
+    server, held, port = serve(cluster.address, shards=[1])
+    try:
+        with ServingClient(f"127.0.0.1:{port}") as served:
+            assert wait_until(lambda: served.status().ready and served.status().versions[1] == client.versions[1], 30)
+            mine = users[owner == 1]
+            assert torch.equal(served.lookup(model, "user", mine), trained_rows(model, mine, mine % 500)[0])
+            with pytest.raises(Exception, match=r"holds no copy of shard\(s\) \[0\]") as err:
+                served.lookup(model, "user", users[owner == 0][:3])
+            assert getattr(err.value, "code", None) == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        held.stop()
+        server.stop(0).wait()

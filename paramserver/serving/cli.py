@@ -26,6 +26,8 @@ examples:
   ps-serve --server 127.0.0.1:50051 --port 50061       copies of every shard of the job, on 127.0.0.1:50061
   ps-serve --server ps-0.ps:50051 --shard-index 1 --host 0.0.0.0 --port 50061
                                                        one shard's copy (one pod per shard)
+  ps-serve --peers ps-0.ps:50051,ps-1.ps:50051 --shard-index 1 --host 0.0.0.0
+                                                       the same, asking shard 1 itself
 
 Read from it with worker.ServingClient("HOST:PORT") (lookup, pull, version) or worker.serve(model, "HOST:PORT").
 A copy holds values only (no optimizer state, no log), asks its shard for what changed since the version it holds
@@ -42,7 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--server", required=True, help="any one shard of the job, HOST:PORT")
+    parser.add_argument("--server", default=None, help="any one shard of the job, HOST:PORT")
+    parser.add_argument(
+        "--peers",
+        default=None,
+        help="every shard's address, in order, as ps-server --peers takes them (instead of --server): with "
+        "--shard-index I, the copy of shard I asks shard I itself (one pod per shard)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50061, help="port to serve on; 0 picks one (default: %(default)s)")
     parser.add_argument(
@@ -93,7 +101,16 @@ def _silent(copy: ShardCopy) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.peers:
+        peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+        first = args.shard_index[0] if args.shard_index else 0
+        if not 0 <= first < len(peers):
+            parser.error(f"--shard-index {first}: --peers names {len(peers)} shards")
+        args.server = args.server or peers[first]
+    if not args.server:
+        parser.error("give --server HOST:PORT (any shard of the job) or --peers")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     follow_parent()
     stop = threading.Event()

@@ -71,8 +71,8 @@ class ShardCopy:
     def _new_groups(self) -> list[RowGroup]:
         # Values only, the tables of one width in one group (as on the shard: one probe, one gather, one scatter per
         # group, whatever the number of tables): plain SGD keeps no state, and a lookup of an ID without a row reads
-        # its initial row by its table's own rule, as the shard's does.
-        return [RowGroup([self.specs[t] for t in members], "sgd", 0.0) for members in self._members]
+        # its initial row by its table's own rule, as the shard's does. No per-row update version or time.
+        return [RowGroup([self.specs[t] for t in members], "sgd", 0.0, updates=False) for members in self._members]
 
     @property
     def has_state(self) -> bool:

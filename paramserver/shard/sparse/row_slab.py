@@ -23,8 +23,13 @@ class RowSlab:
     """The slots of one row group: values, optimizer state, index and per-slot arrays. No lock: the group's caller
     serialises calls."""
 
-    def __init__(self, dim: int, state_cols: int, index: IdHash | DirectIndex, tagged: bool) -> None:
+    def __init__(
+        self, dim: int, state_cols: int, index: IdHash | DirectIndex, tagged: bool, updates: bool = True
+    ) -> None:
         self.dim = dim
+        # Whether each slot keeps the version and time of its last update (eviction by age, written_since, state):
+        # a serving copy's values-only slab does not (16 bytes a row).
+        self.updates = updates
         self.state_cols = state_cols
         self.tagged = tagged
         self._index = index
@@ -183,8 +188,9 @@ class RowSlab:
         self._values, self._state = values, state
         self._slot_ids = grown(self._slot_ids, 0)
         self._slot_tags = grown(self._slot_tags, 0)
-        self._versions = grown(self._versions, 0)
-        self._times = grown(self._times, 0.0)
+        if self.updates:
+            self._versions = grown(self._versions, 0)
+            self._times = grown(self._times, 0.0)
         self._live = grown(self._live, False)
         self._capacity = capacity
         if capacity > _INT32_MAX and self._index.value_dtype != np.int64:

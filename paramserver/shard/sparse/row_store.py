@@ -35,7 +35,13 @@ class RowGroup(RowSlab):
     serialises calls: a group has no lock."""
 
     def __init__(
-        self, specs: Sequence[TableSpec], optimizer: str, lr: float, seed_rng: int = 0, direct: bool = False
+        self,
+        specs: Sequence[TableSpec],
+        optimizer: str,
+        lr: float,
+        seed_rng: int = 0,
+        direct: bool = False,
+        updates: bool = True,
     ) -> None:
         self.specs = tuple(specs)
         if not self.specs or len({s.dim for s in self.specs}) != 1:
@@ -54,7 +60,7 @@ class RowGroup(RowSlab):
         if direct and not all(s.bounded for s in self.specs):
             raise ValueError("a direct index is for bounded tables only")
         index = DirectIndex([s.num_embeddings for s in self.specs]) if direct else IdHash(np.int32, self.tagged)
-        super().__init__(self.dim, self.state_cols, index, self.tagged)
+        super().__init__(self.dim, self.state_cols, index, self.tagged, updates)
         self._counts = IdHash(np.int64, self.tagged)  # IDs without a row -> how many updates they were in
         # Each table's policy, indexed by tag (0 means never / always, as in TableSpec).
         self._admit_after = np.array([s.admit_after for s in self.specs], dtype=np.int64)
