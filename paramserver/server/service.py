@@ -381,21 +381,25 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         )
 
 
+def method_handler(method: Any) -> Callable[..., grpc.RpcMethodHandler]:
+    """grpc's maker of a handler for this RPC's stream shape (a MethodDescriptor of ps.proto)."""
+    return {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+    }[(method.client_streaming, method.server_streaming)]
+
+
 def add_to_server(servicer: ParameterServerServicer, server: grpc.Server) -> None:
     """Register the servicer for every RPC of the proto. Every request arrives as raw wire bytes, decoded and
     bound-checked by paramserver.wire.bounds (unary requests: see ParameterServerServicer.decoding; client streams: see
     ClientStream), so that no malformed request gets gRPC's own INTERNAL; server streams yield bytes."""
     service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-    }
     handlers = {}
     for method in service.methods:
         request = getattr(ps_pb2, method.input_type.name)
         response = getattr(ps_pb2, method.output_type.name)
-        make = kinds[(method.client_streaming, method.server_streaming)]
+        make = method_handler(method)
         behaviour = getattr(servicer, method.name)
         handlers[method.name] = make(
             behaviour if method.client_streaming else servicer.decoding(method.name, request, behaviour),

@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 
 from paramserver.errors import FailedPrecondition, InvalidArgument, ShuttingDown, TooLarge, rpc_errors
+from paramserver.server.service import method_handler
 from paramserver.serving.copy import ShardCopy
 from paramserver.serving.follower import INTERVAL_S, Follower, wait_until
 from paramserver.tables import TableSpec, shard_of, spec_from_proto, spec_to_proto
@@ -227,15 +228,10 @@ def add_to_server(copies: ServingCopies, server: grpc.Server, address: str) -> N
         t.shards.extend([address] * copies.num_shards)  # the copy itself: a worker sent here is refused, not sent on
         return t
 
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-    }
     ps_service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
     handlers = {}
     for method in ps_service.methods:
-        make = kinds[(method.client_streaming, method.server_streaming)]
+        make = method_handler(method)
         if method.name == "GetTopology":
             handlers[method.name] = make(
                 _unary("GetTopology", ps_pb2.GetTopologyRequest, topology), response_serializer=_serialize
