@@ -1,5 +1,5 @@
 """A shard's server-side streams under readers that stop reading (issue 36, defect 1; paramserver/server/streams.py
-and paramserver/shard/sparse/export.py):
+and paramserver/server/export.py):
 
 - more stalled ExportRows and Pull readers than the gRPC pool has threads: past the caps (per host and in all)
   they are RESOURCE_EXHAUSTED at once, and GetTopology, Heartbeat and an Exchange still answer promptly;

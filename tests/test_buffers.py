@@ -25,7 +25,7 @@ from torch import nn
 
 from paramserver import LocalCluster, ServerConfig
 from paramserver.placement import TensorSpec, digest, place
-from paramserver.shard import reads
+from paramserver.server import reads
 from paramserver.shard.durability import checkpoint
 from paramserver.shard.state import Shard
 from worker import Overlap, PSClient

@@ -30,7 +30,7 @@ from typing import Protocol
 import numpy as np
 
 from paramserver.errors import MalformedStream, PSError
-from paramserver.shard import reads
+from paramserver.server import reads
 from paramserver.shard.model import ShardModel
 from paramserver.shard.replication.replicator import Forwarded
 from paramserver.shard.sparse.row_blocks import RowBlock

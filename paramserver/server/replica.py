@@ -34,9 +34,9 @@ from collections.abc import Callable
 
 from paramserver.coord import CoordinatorUnavailable, Etcd, PartConfig, PartRegister
 from paramserver.security import client_ssl_context, read_token, server_ssl_context
+from paramserver.server import standby
 from paramserver.server.replica_leader import Edit, Leader
 from paramserver.server.replica_stream import Follower
-from paramserver.shard.replication import standby
 from paramserver.shard.state import Shard
 
 log = logging.getLogger(__name__)

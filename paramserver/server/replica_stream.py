@@ -45,8 +45,8 @@ import numpy as np
 
 from paramserver.config import ServerConfig
 from paramserver.coord import CoordinatorUnavailable, PartConfig, PartRegister
+from paramserver.server import standby
 from paramserver.shard.durability import checkpoint, wal
-from paramserver.shard.replication import standby
 from paramserver.shard.state import Shard
 from paramserver.transport.tcp import keep_alive
 

@@ -26,11 +26,11 @@ from paramserver.server.exchange import (
     WeightsSink,
     segment_route,
 )
+from paramserver.server.export import Exports, export_rows
 from paramserver.server.follow import Followers
 from paramserver.server.streams import SharedWeights, StreamGate, caps
 from paramserver.shard import schedules
 from paramserver.shard.model import ShardModel
-from paramserver.shard.sparse.export import Exports, export_rows
 from paramserver.shard.sparse.given_rows import GivenRows
 from paramserver.shard.sparse.sparse_in import SparseIn
 from paramserver.shard.state import Shard

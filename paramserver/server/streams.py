@@ -30,8 +30,8 @@ import grpc
 import numpy as np
 
 from paramserver.errors import TooLarge
+from paramserver.server import reads
 from paramserver.server.exchange import LentWeights
-from paramserver.shard import reads
 
 if TYPE_CHECKING:
     from paramserver.shard.model import ShardModel

@@ -431,9 +431,9 @@ class Shard:
     def describe(self) -> ShardStatus:
         """A consistent snapshot of what the shard holds (for Topology and tests)."""
         with self._cond:
-            return status.describe(self)
+            return status.describe(self.model, self.version, len(self.membership.live), self.stats)
 
     def state_bytes(self) -> bytes:
         """Weights, optimizer state and version as bytes, to show a rejected request changed nothing."""
         with self._cond:
-            return status.state_bytes(self)
+            return status.state_bytes(self.model, self.version)

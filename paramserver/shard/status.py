@@ -12,7 +12,7 @@ from paramserver.placement import TensorSpec
 from paramserver.tables import TableSpec
 
 if TYPE_CHECKING:
-    from paramserver.shard.state import Shard
+    from paramserver.shard.model import ShardModel
 
 
 @dataclass
@@ -39,30 +39,29 @@ class ShardStatus:
     table_rows: tuple[int, ...] = ()  # rows this shard holds, per table
 
 
-def describe(shard: Shard) -> ShardStatus:
-    """What `shard` holds now (call under its lock, for one consistent answer)."""
-    model = shard.model
+def describe(model: ShardModel | None, version: int, live_workers: int, stats: ShardStats) -> ShardStatus:
+    """What a shard holding `model` at `version` holds now (call under its lock, for one consistent answer)."""
     return ShardStatus(
         initialized=model is not None,
         digest=model.digest if model else "",
         specs=model.placement.specs if model else (),
-        version=shard.version,
-        live_workers=len(shard.membership.live),
-        stats=dataclasses.replace(shard.stats),
+        version=version,
+        live_workers=live_workers,
+        stats=dataclasses.replace(stats),
         tables=model.placement.tables if model else (),
         table_rows=tuple(t.rows for t in model.tables.tables) if model else (),
     )
 
 
-def state_bytes(shard: Shard) -> bytes:
+def state_bytes(model: ShardModel | None, version: int) -> bytes:
     """Weights, optimizer state and version as bytes (call under the shard's lock): equal before and after a
     request shows that it changed nothing."""
-    parts = [str(shard.version).encode()]
-    if shard.model is not None:
-        parts.append(shard.model.params.numpy().tobytes())
-        for state in shard.model.optimizer.state.values():
+    parts = [str(version).encode()]
+    if model is not None:
+        parts.append(model.params.numpy().tobytes())
+        for state in model.optimizer.state.values():
             for key in sorted(state):
                 value = state[key]
                 parts.append(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
-        parts.append(shard.model.tables.state_bytes())
+        parts.append(model.tables.state_bytes())
     return b"|".join(parts)
