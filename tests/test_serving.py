@@ -350,15 +350,18 @@ def test_the_publication_record_is_bounded_and_says_what_it_no_longer_covers() -
     from paramserver.shard.update import Update
 
     pub = Publication(tables=2, version=0, limit_bytes=8 * 8)
-    for v in range(1, 6):
+    pub.applied(Update(1, [], np.empty(0, np.float32), [RowBlock(0, np.array([7]), None)], 0.0))
+    assert pub.floor == 1  # nobody asked yet: nothing recorded, answers start after the last version
+    assert [a.tolist() for a in pub.written_since(1) or []] == [[], []]  # the first question starts the record
+    for v in range(2, 7):
         ids = np.array([v, v + 100], np.int64)
         pub.applied(Update(v, [], np.empty(0, np.float32), [RowBlock(v % 2, ids, None)], 0.0))
-    assert pub.floor == 1  # room for 8 IDs: the first version's 2 fell off when the fifth came
-    assert pub.written_since(0) is None
+    assert pub.floor == 2  # room for 8 IDs: version 2's fell off when version 6's came
+    assert pub.written_since(1) is None
     since = pub.written_since(3)
     assert since is not None
-    assert since[0].tolist() == [4, 104] and since[1].tolist() == [5, 105]
-    assert [a.tolist() for a in pub.written_since(5) or []] == [[], []]
+    assert since[0].tolist() == [4, 6, 104, 106] and since[1].tolist() == [5, 105]
+    assert [a.tolist() for a in pub.written_since(6) or []] == [[], []]
 
 
 def test_a_copy_of_one_shard_answers_its_ids_and_refuses_the_others(job: tuple[LocalCluster, PSClient, Model]) -> None:
