@@ -74,10 +74,6 @@ class ShardCopy:
         # its initial row by its table's own rule, as the shard's does. No per-row update version or time.
         return [RowGroup([self.specs[t] for t in members], "sgd", 0.0, updates=False) for members in self._members]
 
-    @property
-    def has_state(self) -> bool:
-        return bool(self.digest)
-
     def position(self) -> tuple[str, int, str, bool, bool]:
         """What to ask the shard for next: (model digest, since version, incarnation, full, catching up). While a
         whole state taken is not yet whole (`catching up`: the changes since it began have to follow), the copy

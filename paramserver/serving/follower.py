@@ -32,13 +32,11 @@ class Follower:
         copy: ShardCopy,
         addresses: Sequence[str],
         channel: Callable[[str], grpc.Channel],
-        on_version: Callable[[ShardCopy], None] | None = None,
         interval: float = INTERVAL_S,
     ) -> None:
         self.copy = copy
         self.addresses = list(addresses)
         self._channel = channel
-        self._on_version = on_version
         self.interval = interval
         self._at = 0
         self._stop = threading.Event()
@@ -92,11 +90,8 @@ class Follower:
             wait_ms=0 if catching_up else POLL_MS,
             full=full,
         )
-        before = (c.version, c.ready)
         c.take(stub.Follow(request, timeout=POLL_MS / 1000 + 60))
         self.error = ""
-        if self._on_version is not None and (c.version, c.ready) != before:
-            self._on_version(c)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
