@@ -1,4 +1,4 @@
-"""The README's benchmark summary: a few lines per section, written between two markers by `make bench`."""
+"""The benchmark summary of docs/performance.md: a few lines per section, written between markers by `make bench`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ README_BEGIN = "<!-- bench:summary:begin (written by `make bench` from bench/res
 README_END = "<!-- bench:summary:end -->"
 
 
-# The paths the README's summary names: same host, another host (the default, then without a data socket).
+# The paths the summary names: same host, another host (the default, then without a data socket).
 _SUMMARY_PATHS = (
     ("shm", "shared memory"),
     ("socket", "data socket"),
@@ -26,7 +26,7 @@ _SUMMARY_PATHS = (
 
 
 def summary(doc: Doc) -> str:
-    """The README's table: each performance target against the figure of this run that answers it."""
+    """The summary table: each performance target against the figure of this run that answers it."""
     ix = _Index(doc)
     rows: list[list[str]] = []
 
@@ -189,7 +189,7 @@ def summary(doc: Doc) -> str:
 
 
 def update_readme(doc: Doc, readme: Path) -> bool:
-    """Replace the summary between the README's markers; return False when the markers are missing."""
+    """Replace the summary between the page's markers; return False when the markers are missing."""
     text = readme.read_text()
     if README_BEGIN not in text or README_END not in text:
         return False

@@ -78,6 +78,8 @@ SECTIONS = {
     "stream": stream.run,
 }
 DEFAULT_OUT = ROOT / "bench" / "results"
+# The page whose summary table a full run rewrites, between report_summary's markers.
+PERFORMANCE_PAGE = "docs/performance.md"
 
 
 def _sections(text: str) -> list[str]:
@@ -108,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--render",
         action="store_true",
-        help="run nothing: render latest.md, latest.png and the README summary again from OUT/latest.json",
+        help="run nothing: render latest.md, latest.png and docs/performance.md's summary again from OUT/latest.json",
     )
     parser.add_argument(
         "--only",
@@ -225,18 +227,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _write(doc: dict[str, Any], out: Path) -> str:
-    """Write latest.md and latest.png; a full run of every section into bench/results also updates the README's
-    summary table. Return the markdown."""
+    """Write latest.md and latest.png; a full run of every section into bench/results also updates the summary
+    table of docs/performance.md. Return the markdown."""
     text = report.markdown(doc)
     write_atomic(out / "latest.md", text)
     if not report.plot(doc, out / "latest.png"):
         log("matplotlib is not installed: no latest.png (pip install matplotlib)")
     full = not doc["plan"]["quick"] and set(doc["sections"]) == set(SECTIONS)
     if full and out.resolve() == DEFAULT_OUT.resolve():
-        if report.update_readme(doc, ROOT / "README.md"):
-            log("updated the performance summary in README.md")
+        if report.update_readme(doc, ROOT / PERFORMANCE_PAGE):
+            log(f"updated the performance summary in {PERFORMANCE_PAGE}")
         else:
-            log("README.md has no bench summary markers: not updated")
+            log(f"{PERFORMANCE_PAGE} has no bench summary markers: not updated")
     return text
 
 
