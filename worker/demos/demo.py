@@ -8,56 +8,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from paramserver import modes
+from worker.demos.common import address_of, start_server, start_workers, stop, worker_metrics
 
 TARGET_ACCURACY = 0.95
-
-
-def _stop(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return proc.wait()
-
-
-WORKERS_LINE = "workers: ps-worker --server "  # what ps-server prints once every shard it started serves
-
-
-def _address_of(server: subprocess.Popen[str], timeout: float = 120.0) -> str:
-    """The address ps-server prints once all its shards serve: the demo's own server, never one that happened
-    to answer on the port. Its other output is passed through, then and afterwards."""
-    assert server.stdout is not None
-    found: list[str] = []
-    ready = threading.Event()
-
-    def relay() -> None:
-        for line in server.stdout:  # type: ignore[union-attr]
-            if line.startswith(WORKERS_LINE) and not found:
-                found.append(line[len(WORKERS_LINE) :].strip())
-                ready.set()
-            sys.stdout.write(line)
-            sys.stdout.flush()
-        ready.set()  # ps-server exited (it said why on stderr)
-
-    threading.Thread(target=relay, name="ps-server-output", daemon=True).start()
-    if not ready.wait(timeout):
-        raise TimeoutError(f"ps-server did not serve within {timeout:.0f} s")
-    if not found:
-        raise RuntimeError(f"ps-server exited with status {server.wait()} before serving (see above)")
-    return found[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -90,29 +52,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return recsys.main(["--port", str(args.port), *(["--no-progress"] if args.no_progress else []), *extra])
 
-    server_cmd = [
-        sys.executable,
-        "-m",
-        "paramserver.server.cli",
-        "--log-level",
-        "WARNING",
-        "--shards",
-        str(args.shards),
-        "--mode",
-        args.mode,
-        "--workers",
-        str(args.workers),
-        "--port",
-        str(args.port),
-    ]
+    server_args = ["--shards", str(args.shards), "--mode", args.mode, "--workers", str(args.workers)]
+    server_args += ["--port", str(args.port)]
     with contextlib.ExitStack() as stack:
         dataset: list[str] = []
         if args.data == "sharded":
             files = stack.enter_context(tempfile.TemporaryDirectory(prefix="ps-demo-data-"))
             url, schedule = _sharded_digits(files, stack, args.workers, args.no_progress, extra)
-            server_cmd += schedule
+            server_args += schedule
             dataset = ["--dataset", url]
-        return _run(args, server_cmd, dataset + extra)
+        return _run(args, server_args, dataset + extra)
 
 
 def _sharded_digits(
@@ -151,61 +100,47 @@ def _sharded_digits(
     return url, schedule
 
 
-def _run(args: argparse.Namespace, server_cmd: list[str], extra: list[str]) -> int:
-    print(f"$ ps-server {' '.join(server_cmd[5:])}", flush=True)
-    server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
-    workers: list[subprocess.Popen[bytes]] = []
-    results: list[dict[str, object]] = []
+def _run(args: argparse.Namespace, server_args: list[str], extra: list[str]) -> int:
+    server = start_server(server_args)
+    workers: list[subprocess.Popen[Any]] = []
+    results: list[dict[str, Any]] = []
     try:
         try:
-            address = _address_of(server)
+            address = address_of(server)
         except (RuntimeError, TimeoutError) as exc:
             hint = " (--port 0, make demo's default, takes free ports)" if args.port else ""
             print(f"demo: {exc}{hint}", file=sys.stderr)
             return 1
         with tempfile.TemporaryDirectory(prefix="ps-demo-") as tmp:
-            for i in range(args.workers):
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "worker.cli",
-                    "--server",
-                    address,
-                    "--model",
-                    args.model,
-                    "--metrics-out",
-                    str(Path(tmp) / "worker.json"),  # each rank's: worker-RANK.json (one worker: worker.json)
-                    *extra,
-                ]
-                if args.no_progress:
-                    cmd.append("--no-progress")
-                if i == 0:
-                    print(f"$ ps-worker --server {address} (x{args.workers})", flush=True)
-                workers.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
-            codes = [w.wait() for w in workers]
-            for i, code in enumerate(codes):
+            print(f"$ ps-worker --server {address} (x{args.workers})", flush=True)
+            worker_args = ["--model", args.model, *extra, *(["--no-progress"] if args.no_progress else [])]
+            workers = start_workers(address, worker_args, args.workers, Path(tmp), stdout=subprocess.DEVNULL)
+            for i, code in enumerate([w.wait() for w in workers]):
                 if code != 0:
                     print(f"worker {i} failed with exit status {code}", file=sys.stderr)
                     return 1
-            names = ["worker.json"] if args.workers == 1 else [f"worker-{rank}.json" for rank in range(args.workers)]
-            results = [json.loads((Path(tmp) / name).read_text()) for name in names]
+            results = worker_metrics(Path(tmp), args.workers)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping workers and servers", file=sys.stderr)
         return 130
     finally:
         for w in workers:
-            _stop(w, signal.SIGINT)
-        server_status = _stop(server, signal.SIGTERM)
+            stop(w, signal.SIGINT)
+        server_status = stop(server, signal.SIGTERM)
+    return _report(args.mode, results, server_status)
+
+
+def _report(mode: str, results: list[dict[str, Any]], server_status: int) -> int:
     print()
-    for r in sorted(results, key=lambda r: int(r["rank"])):  # type: ignore[call-overload]
+    for r in sorted(results, key=lambda r: int(r["rank"])):
         print(
             f"worker {r['rank']}: {r['steps']} steps in {r['seconds']:.1f} s ({r['samples_per_second']:.0f} "
             f"samples/s), final loss {r['final_loss']:.4f}, test accuracy {r['test_accuracy']:.4f}"
         )
-    accuracy = min(float(r["test_accuracy"]) for r in results)  # type: ignore[arg-type]
+    accuracy = min(float(r["test_accuracy"]) for r in results)
     verdict = "reached" if accuracy >= TARGET_ACCURACY else "MISSED"
     print(
-        f"{args.mode} mode: held-out test accuracy {accuracy:.4f} ({verdict} the {TARGET_ACCURACY} target); "
+        f"{mode} mode: held-out test accuracy {accuracy:.4f} ({verdict} the {TARGET_ACCURACY} target); "
         f"servers stopped with status {server_status}"
     )
     return 0 if accuracy >= TARGET_ACCURACY and server_status == 0 else 1

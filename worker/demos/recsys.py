@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import time
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -37,6 +36,9 @@ from paramserver.tables import initial_rows
 from worker.data.features import Features, concat
 from worker.data.manifest import Categorical
 from worker.data.stream import Part, StreamedDataset
+from worker.demos.common import address_of, start_server, start_workers, stop, worker_metrics
+from worker.demos.planted import ceiling_auc, make_click_logs, write_criteo
+from worker.demos.served import PsServe, check_served
 from worker.models.clicks import TableOptions, build_click_model
 from worker.train.gradients import evaluate
 from worker.train.losses import LossStep, resolve_loss
@@ -159,116 +161,109 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; 0 when the distributed AUC is within TARGET_GAP of the local one and TARGET_FRACTION of the
     way to the ceiling."""
-    from worker.demos.demo import _address_of, _stop
-    from worker.demos.planted import ceiling_auc, make_click_logs, write_criteo
-    from worker.demos.served import PsServe, check_served
-
     args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    quiet = ["--no-progress"] if args.no_progress else []
     with tempfile.TemporaryDirectory(prefix="ps-recsys-") as tmp:
-        began = time.perf_counter()
-        logs = make_click_logs(args.train_samples, args.test_samples, seed=args.seed)
-        files = write_criteo(logs, Path(tmp) / "logs")
-        ceiling = ceiling_auc(logs)
-        print(
-            f"click logs: {len(logs.train) + len(logs.test):,} impressions as Criteo day files in "
-            f"{time.perf_counter() - began:.1f} s; ceiling AUC (the planted model's own) {ceiling:.4f}",
-            flush=True,
-        )
-        del logs
-        dataset = str(Path(tmp) / "criteo")
-        prepare = [*map(str, files), "--format", "criteo", "--out", dataset, "--shards", str(2 * WORKERS), *quiet]
-        print(f"$ ps-prepare {' '.join(prepare)}", flush=True)
-        began = time.perf_counter()
-        if subprocess.run([sys.executable, "-m", "worker.data.prepare", *prepare]).returncode != 0:
+        planted = _planted_dataset(args, Path(tmp))
+        if planted is None:
             return 1
-        print(f"prepared in {time.perf_counter() - began:.1f} s", flush=True)
+        dataset, ceiling = planted
         began = time.perf_counter()
         tables = TableOptions(dim=args.dim, table_size=args.table_size)
         local = train_reference(
             dataset, tables=tables, batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, seed=args.seed
         )
         print(f"local: AUC {local['test_auc']:.4f} in {time.perf_counter() - began:.1f} s", flush=True)
-        server_args = [
-            "--shards",
-            "2",
-            "--workers",
-            str(WORKERS),
-            "--mode",
-            "sync",
-            "--optimizer",
-            "adagrad",
-            "--lr",
-            str(args.lr),
-            "--port",
-            str(args.port),
-        ]
-        print(f"$ ps-server {' '.join(server_args)}", flush=True)
-        server = subprocess.Popen(
-            [sys.executable, "-m", "paramserver.server.cli", *server_args, "--log-level", "WARNING"],
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-        )
-        workers: list[subprocess.Popen[bytes]] = []
-        serving: PsServe | None = None
-        saved = str(Path(tmp) / "dlrm.safetensors")
         try:
-            address = _address_of(server)
-            serving = PsServe(address)  # it follows the job from its first version
-            worker_args = [
-                "--dataset",
-                dataset,
-                "--model",
-                "dlrm",
-                "--epochs",
-                str(args.epochs),
-                "--batch-size",
-                str(args.batch_size),
-                "--embedding-dim",
-                str(args.dim),
-                "--table-size",
-                str(args.table_size),
-                "--seed",
-                str(args.seed),
-                "--threads",
-                str(args.threads),
-                "--save-model",
-                saved,
-                *quiet,
-            ]
-            print(f"$ ps-worker --server {address} {' '.join(worker_args)} (x{WORKERS})", flush=True)
-            began = time.perf_counter()
-            for _ in range(WORKERS):
-                out = ["--metrics-out", str(Path(tmp) / "worker.json")]  # each rank's: worker-RANK.json
-                cmd = [sys.executable, "-m", "worker.cli", "--server", address, *worker_args, *out]
-                workers.append(subprocess.Popen(cmd))
-            if any(w.wait() != 0 for w in workers):
-                print("recsys: a worker failed (see above)", file=sys.stderr)
-                return 1
-            seconds = time.perf_counter() - began
-            metrics = [json.loads((Path(tmp) / f"worker-{rank}.json").read_text()) for rank in range(WORKERS)]
-            served_ok = check_served(serving.wait_ready(), address, dataset, saved, tables, args.seed)
+            job = _train_distributed(args, dataset, tables, Path(tmp))
         except KeyboardInterrupt:
             print("\ninterrupted: stopping workers and servers", file=sys.stderr)
             return 130
-        finally:
-            for w in workers:
-                _stop(w, signal.SIGINT)
-            if serving is not None:
-                serving.stop()
-            status = _stop(server, signal.SIGTERM)
-    got = metrics[0]["test_auc"]
-    gap, fraction = abs(got - local["test_auc"]), (got - 0.5) / (ceiling - 0.5)
-    ok = gap <= TARGET_GAP and fraction >= TARGET_FRACTION and status == 0 and served_ok
-    samples = sum(m["samples"] for m in metrics)
+    if job is None:
+        return 1
+    return _report(job, local["test_auc"], ceiling)
+
+
+def _quiet(args: argparse.Namespace) -> list[str]:
+    return ["--no-progress"] if args.no_progress else []
+
+
+def _planted_dataset(args: argparse.Namespace, tmp: Path) -> tuple[str, float] | None:
+    """Write the planted click logs as Criteo day files and run ps-prepare on them; return the prepared dataset
+    and the ceiling AUC, or None when ps-prepare failed."""
+    began = time.perf_counter()
+    logs = make_click_logs(args.train_samples, args.test_samples, seed=args.seed)
+    files = write_criteo(logs, tmp / "logs")
+    ceiling = ceiling_auc(logs)
     print(
-        f"distributed (2 shards, {WORKERS} workers, sync): AUC {got:.4f} in {seconds:.1f} s "
-        f"({samples / max(seconds, 1e-9):,.0f} samples/s with start-up)\n"
-        f"ceiling AUC {ceiling:.4f}, local AUC {local['test_auc']:.4f}, distributed AUC {got:.4f}, |difference| "
+        f"click logs: {len(logs.train) + len(logs.test):,} impressions as Criteo day files in "
+        f"{time.perf_counter() - began:.1f} s; ceiling AUC (the planted model's own) {ceiling:.4f}",
+        flush=True,
+    )
+    del logs
+    dataset = str(tmp / "criteo")
+    prepare = [*map(str, files), "--format", "criteo", "--out", dataset, "--shards", str(2 * WORKERS), *_quiet(args)]
+    print(f"$ ps-prepare {' '.join(prepare)}", flush=True)
+    began = time.perf_counter()
+    if subprocess.run([sys.executable, "-m", "worker.data.prepare", *prepare]).returncode != 0:
+        return None
+    print(f"prepared in {time.perf_counter() - began:.1f} s", flush=True)
+    return dataset, ceiling
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What the distributed run left: each worker's metrics, its seconds, ps-server's status, the serving check."""
+
+    metrics: list[dict[str, Any]]
+    seconds: float
+    status: int
+    served_ok: bool
+
+
+def _train_distributed(args: argparse.Namespace, dataset: str, tables: TableOptions, tmp: Path) -> _Job | None:
+    """ps-server, a ps-serve following it and WORKERS ps-workers on `dataset`; every process stopped on return."""
+    server_args = ["--shards", "2", "--workers", str(WORKERS), "--mode", "sync", "--optimizer", "adagrad"]
+    server = start_server([*server_args, "--lr", str(args.lr), "--port", str(args.port)])
+    workers: list[subprocess.Popen[bytes]] = []
+    serving: PsServe | None = None
+    saved = str(tmp / "dlrm.safetensors")
+    try:
+        address = address_of(server)
+        serving = PsServe(address)  # it follows the job from its first version
+        worker_args = ["--dataset", dataset, "--model", "dlrm", "--epochs", str(args.epochs)]
+        worker_args += ["--batch-size", str(args.batch_size), "--embedding-dim", str(args.dim)]
+        worker_args += ["--table-size", str(args.table_size), "--seed", str(args.seed), "--threads", str(args.threads)]
+        worker_args += ["--save-model", saved, *_quiet(args)]
+        print(f"$ ps-worker --server {address} {' '.join(worker_args)} (x{WORKERS})", flush=True)
+        began = time.perf_counter()
+        workers = start_workers(address, worker_args, WORKERS, tmp)
+        if any(w.wait() != 0 for w in workers):
+            print("recsys: a worker failed (see above)", file=sys.stderr)
+            return None
+        seconds = time.perf_counter() - began
+        metrics = worker_metrics(tmp, WORKERS)
+        served_ok = check_served(serving.wait_ready(), address, dataset, saved, tables, args.seed)
+    finally:
+        for w in workers:
+            stop(w, signal.SIGINT)
+        if serving is not None:
+            serving.stop()
+        status = stop(server, signal.SIGTERM)
+    return _Job(metrics, seconds, status, served_ok)
+
+
+def _report(job: _Job, local_auc: float, ceiling: float) -> int:
+    got = job.metrics[0]["test_auc"]
+    gap, fraction = abs(got - local_auc), (got - 0.5) / (ceiling - 0.5)
+    ok = gap <= TARGET_GAP and fraction >= TARGET_FRACTION and job.status == 0 and job.served_ok
+    samples = sum(m["samples"] for m in job.metrics)
+    print(
+        f"distributed (2 shards, {WORKERS} workers, sync): AUC {got:.4f} in {job.seconds:.1f} s "
+        f"({samples / max(job.seconds, 1e-9):,.0f} samples/s with start-up)\n"
+        f"ceiling AUC {ceiling:.4f}, local AUC {local_auc:.4f}, distributed AUC {got:.4f}, |difference| "
         f"{gap:.4f} (target <= {TARGET_GAP}), {fraction:.3f} of the way from 0.5 to the ceiling (target >= "
-        f"{TARGET_FRACTION}): {'reached' if ok else 'MISSED'}; servers stopped with status {status}"
+        f"{TARGET_FRACTION}): {'reached' if ok else 'MISSED'}; servers stopped with status {job.status}"
     )
     return 0 if ok else 1
 

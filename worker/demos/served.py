@@ -14,6 +14,7 @@ import torch
 from worker.client.model_file import load
 from worker.client.serving import ServingClient, serve
 from worker.data.stream import StreamedDataset
+from worker.demos.common import stop
 from worker.models.clicks import TableOptions, build_click_model
 
 READY = "PS-SERVE-READY"
@@ -47,13 +48,7 @@ class PsServe:
         return self.address
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
 
 
 def check_served(
