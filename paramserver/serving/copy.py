@@ -64,6 +64,8 @@ class ShardCopy:
         self._members = [[k for k, t in enumerate(self.specs) if t.dim == w] for w in widths]
         # Each table's (group, tag): its tag is its place among its group's tables.
         self._where = {k: (g, members.index(k)) for g, members in enumerate(self._members) for k in members}
+        self._group_of = np.array([self._where[k][0] for k in range(len(self.specs))], np.int64)
+        self._tag_of = np.array([self._where[k][1] for k in range(len(self.specs))], np.int32)
         self._groups = self._new_groups()
         self._next: _Next | None = None  # a whole state taken, not whole yet (see `position`)
         self._start_over = False
@@ -162,28 +164,26 @@ class ShardCopy:
     # -- reads ---------------------------------------------------------------------------------------------------
 
     def lookup(self, table: int, ids: np.ndarray) -> np.ndarray:
-        """The rows of these IDs (initial rows for IDs without one); call under `lock`."""
-        return self.lookup_many([(table, ids)])[0]
+        """The rows of one table's IDs (initial rows for IDs without one); call under `lock`."""
+        if table not in self._where:
+            raise InvalidArgument(f"table {table}: the model has {len(self.specs)} table(s)")
+        out = np.empty((len(ids), self.specs[table].dim), np.float32)
+        for at, rows in self.lookup_tagged(np.full(len(ids), table, np.int64), np.asarray(ids, np.int64)):
+            out[at] = rows
+        return out
 
-    def lookup_many(self, asked: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
-        """The rows of several tables' IDs, a group's in one lookup; call under `lock`."""
-        for table, _ in asked:
-            if table not in self._where:
-                raise InvalidArgument(f"table {table}: the model has {len(self.specs)} table(s)")
-        out: list[np.ndarray] = [np.empty((0, 0), np.float32)] * len(asked)
-        by_group: dict[int, list[int]] = {}
-        for k, (table, _) in enumerate(asked):
-            by_group.setdefault(self._where[table][0], []).append(k)
-        for g, ks in by_group.items():
-            group = self._groups[g]
-            ids = np.concatenate([asked[k][1] for k in ks]) if len(ks) > 1 else asked[ks[0]][1]
-            tags = self._tags([(asked[k][0], len(asked[k][1])) for k in ks]) if group.tagged else None
-            rows = group.lookup(ids, tags)
-            at = 0
-            for k in ks:
-                n = len(asked[k][1])
-                out[k] = rows[at : at + n]
-                at += n
+    def lookup_tagged(self, tables: np.ndarray, ids: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The rows of IDs of several tables (`tables[k]` is ID k's table, each known to the model), a width's in one
+        lookup whatever the number of tables: [(positions in `ids`, their rows)], one entry per width present.
+        Call under `lock`."""
+        out = []
+        groups = self._group_of[tables]
+        present = np.unique(groups) if len(self._groups) > 1 else range(1 if len(ids) else 0)
+        for g in present:
+            at = np.flatnonzero(groups == g) if len(self._groups) > 1 else np.arange(len(ids))
+            group = self._groups[int(g)]
+            tags = self._tag_of[tables[at]] if group.tagged else None
+            out.append((at, group.lookup(ids[at], tags)))
         return out
 
     def dense(self) -> np.ndarray:

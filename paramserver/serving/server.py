@@ -55,11 +55,17 @@ class ServingCopies:
         self.num_shards = len(topology.shards)
         self.tables: tuple[TableSpec, ...] = tuple(spec_from_proto(t) for t in topology.tables)
         self._table_index = {t.name: i for i, t in enumerate(self.tables)}
+        self._dims = np.array([t.dim for t in self.tables], np.int64)
+        # An unbounded table takes any int64 ID: its bounds check nothing (negative IDs included).
+        big = np.iinfo(np.int64)
+        self._lows = np.array([0 if t.bounded else big.min for t in self.tables], np.int64)
+        self._limits = np.array([t.num_embeddings if t.bounded else big.max for t in self.tables], np.int64)
         held = range(self.num_shards) if shards is None else shards
         wrong = sorted(set(held) - set(range(self.num_shards)))
         if wrong:
             raise InvalidArgument(f"no shard {wrong[0]}: the job has {self.num_shards} (0..{self.num_shards - 1})")
         self.copies: dict[int, ShardCopy] = {i: ShardCopy(i, self.tables) for i in held}
+        self._locks = [self.copies[i].lock for i in sorted(self.copies)]
         replicas = list(topology.replicas)
         per = len(replicas) // self.num_shards if replicas else 0
         self.followers = [
@@ -92,12 +98,18 @@ class ServingCopies:
     @contextlib.contextmanager
     def one_version(self) -> Iterator[dict[int, ShardCopy]]:
         """Hold every copy's lock (in shard order): what is read meanwhile is each shard's of one version."""
-        with contextlib.ExitStack() as stack:
-            for i in sorted(self.copies):
-                stack.enter_context(self.copies[i].lock)
+        locks = self._locks
+        taken = 0
+        try:
+            for lock in locks:
+                lock.acquire()
+                taken += 1
             if not self.ready:
                 raise ShuttingDown("the serving copies are not ready yet (taking their shards' state): try again")
             yield self.copies
+        finally:
+            for lock in locks[:taken]:
+                lock.release()
 
     def table_index(self, name: str) -> int:
         if name not in self._table_index:
@@ -106,41 +118,69 @@ class ServingCopies:
         return self._table_index[name]
 
     def lookup(self, request: ps_pb2.LookupRequest) -> ps_pb2.LookupReply:
-        """Each entry's rows, every shard's at one version."""
-        asked = []
-        total = 0
-        for entry in request.tables:
-            table = self.table_index(entry.table)
-            if len(entry.ids) % 8:
-                raise InvalidArgument(f"table {entry.table!r}: {len(entry.ids)} bytes of IDs, not a multiple of 8")
-            ids = np.frombuffer(entry.ids, "<i8")
-            spec = self.tables[table]
-            if spec.bounded and len(ids) and (ids.min() < 0 or ids.max() >= spec.num_embeddings):
-                raise InvalidArgument(f"table {entry.table!r}: IDs outside 0..{spec.num_embeddings - 1}")
-            total += 4 * len(ids) * spec.dim
-            asked.append((table, ids))
-        if total > MAX_MESSAGE_BYTES:
-            raise TooLarge(f"the rows asked for are {total} bytes, over the reply limit of {MAX_MESSAGE_BYTES}")
-        # Every entry's IDs hashed to their shards at once; then each shard's part of every entry in one call.
-        counts = [len(ids) for _, ids in asked]
-        bounds = np.cumsum([0, *counts])
-        owner = shard_of(np.concatenate([ids for _, ids in asked]), self.num_shards) if asked else np.empty(0, np.int64)
+        """Each entry's rows, every shard's at one version. The entries' IDs are handled as one array (each ID's
+        table beside it): one hash to shards, one lookup per shard and width, whatever the number of tables."""
+        tables, ids, counts = self._asked(request)
+        widths = self._dims[tables]
+        # The rows of one width are gathered into one array, in request order: each ID's place in it.
+        distinct = np.unique(widths)
+        place = np.arange(len(ids)) if len(distinct) == 1 else np.empty(len(ids), np.int64)
+        out: dict[int, np.ndarray] = {}
+        for w in distinct:
+            members = np.flatnonzero(widths == w) if len(distinct) > 1 else place
+            place[members] = np.arange(len(members))
+            out[int(w)] = np.empty((len(members), int(w)), np.float32)
+        owner = shard_of(ids, self.num_shards)
+        held = np.unique(owner)
         with self.one_version() as copies:
-            missing = {int(s) for s in np.unique(owner)} - set(copies)
+            missing = {int(s) for s in held} - set(copies)
             if missing:
                 raise FailedPrecondition(f"this serving process holds no copy of shard(s) {sorted(missing)}")
-            out = [np.empty((n, self.tables[t].dim), np.float32) for (t, _), n in zip(asked, counts, strict=True)]
-            for s in np.unique(owner):
-                mine = []
-                for k, (table, ids) in enumerate(asked):
-                    w = np.flatnonzero(owner[bounds[k] : bounds[k + 1]] == s)
-                    if len(w):
-                        mine.append((k, w, table, ids[w]))
-                rows = copies[int(s)].lookup_many([(table, ids) for _, _, table, ids in mine])
-                for (k, w, _, _), r in zip(mine, rows, strict=True):
-                    out[k][w] = r
+            for s in held:
+                mine = np.flatnonzero(owner == s) if len(held) > 1 else np.arange(len(ids))
+                for at, rows in copies[int(s)].lookup_tagged(tables[mine], ids[mine]):
+                    out[rows.shape[1]][place[mine[at]]] = rows
             versions = [copies[i].version if i in copies else 0 for i in range(self.num_shards)]
-        return ps_pb2.LookupReply(versions=versions, rows=[r.astype("<f4", copy=False).tobytes() for r in out])
+        return ps_pb2.LookupReply(versions=versions, rows=self._entries(out, tables, place, counts))
+
+    def _entries(
+        self, out: dict[int, np.ndarray], tables: np.ndarray, place: np.ndarray, counts: list[int]
+    ) -> list[bytes]:
+        """Each request entry's rows as bytes: slices of its width's rows (one copy out of numpy per width)."""
+        blobs = {w: rows.astype("<f4", copy=False).tobytes() for w, rows in out.items()}
+        entries, at = [], 0
+        for n in counts:
+            if not n:
+                entries.append(b"")
+                continue
+            w = int(self._dims[tables[at]])
+            first = int(place[at]) * 4 * w
+            entries.append(blobs[w][first : first + 4 * w * n])
+            at += n
+        return entries
+
+    def _asked(self, request: ps_pb2.LookupRequest) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """A request's IDs as one array, each ID's table index beside it, and each entry's count; checked."""
+        entries = request.tables
+        index = [self._table_index.get(e.table, -1) for e in entries]
+        if -1 in index:
+            self.table_index(entries[index.index(-1)].table)  # raises, naming the tables there are
+        raw = [e.ids for e in entries]
+        sizes = [len(r) for r in raw]
+        for e, size in zip(entries, sizes, strict=True):
+            if size % 8:
+                raise InvalidArgument(f"table {e.table!r}: {size} bytes of IDs, not a multiple of 8")
+        counts = [size >> 3 for size in sizes]
+        tables = np.repeat(np.array(index, np.int64), counts)
+        ids = np.frombuffer(b"".join(raw), "<i8")
+        total = 4 * int(self._dims[tables].sum())
+        if total > MAX_MESSAGE_BYTES:
+            raise TooLarge(f"the rows asked for are {total} bytes, over the reply limit of {MAX_MESSAGE_BYTES}")
+        outside = (ids < self._lows[tables]) | (ids >= self._limits[tables])
+        if outside.any():
+            spec = self.tables[int(tables[np.argmax(outside)])]
+            raise InvalidArgument(f"table {spec.name!r}: IDs outside 0..{spec.num_embeddings - 1}")
+        return tables, ids, counts
 
     def pull(self, request: ps_pb2.ServingPullRequest) -> Iterator[ps_pb2.ServingPullMessage]:
         with self.one_version() as copies:

@@ -1,0 +1,116 @@
+"""A serving copy's Lookup: entries of tables of different widths in one request answered as each table's own
+lookup would be, and a request it cannot answer refused with the status that says why, changing nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from paramserver.config import ServerConfig
+from paramserver.server.cluster import LocalCluster
+from paramserver.serving.follower import wait_until
+from paramserver.serving.server import serve
+from paramserver.v1 import ps_pb2, ps_pb2_grpc
+from worker import PSClient, SparseEmbedding
+from worker.client.serving import ServingClient
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Widths(nn.Module):
+    """Tables of two widths, bounded and not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = SparseEmbedding(dim=4, num_embeddings=100, init_scale=0.1)
+        self.b = SparseEmbedding(dim=8)
+        self.c = SparseEmbedding(dim=4)
+        self.fc = nn.Linear(16, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.a(ids[:, 0] % 100), self.b(ids[:, 1]), self.c(ids[:, 2])], 1)).squeeze(-1)
+
+
+@pytest.fixture
+def served(ps_cluster_factory: Callable[..., LocalCluster]) -> Iterator[tuple[ServingClient, PSClient, Widths]]:
+    cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="adagrad", lr=0.1), shards=2)
+    torch.manual_seed(0)
+    model = Widths()
+    with PSClient(cluster.address) as client:
+        client.register(model)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            model.zero_grad(set_to_none=True)
+            (model(torch.randint(-(10**6), 10**6, (64, 3), generator=g)) ** 2).mean().backward()
+            client.push_pull(model)
+        server, copies, port = serve(cluster.address)
+        try:
+            with ServingClient(f"127.0.0.1:{port}") as reader:
+                assert wait_until(lambda: list(reader.status().versions) == list(client.versions), 30)
+                yield reader, client, model
+        finally:
+            copies.stop()
+            server.stop(0)
+
+
+def test_entries_of_several_widths_read_as_each_tables_own_lookup(
+    served: tuple[ServingClient, PSClient, Widths],
+) -> None:
+    reader, _, model = served
+    ids = {"a": np.arange(0, 100, 7), "b": np.arange(-(10**6), 10**6, 99_991), "c": np.array([-5, 0, 5, 10**12])}
+    with torch.no_grad():
+        want = {name: getattr(model, name)(torch.from_numpy(i)).numpy() for name, i in ids.items()}
+    request = ps_pb2.LookupRequest(
+        tables=[
+            ps_pb2.ServingIds(table="c", ids=ids["c"].astype("<i8").tobytes()),
+            ps_pb2.ServingIds(table="a", ids=ids["a"].astype("<i8").tobytes()),
+            ps_pb2.ServingIds(table="b", ids=b""),
+            ps_pb2.ServingIds(table="b", ids=ids["b"].astype("<i8").tobytes()),
+            ps_pb2.ServingIds(table="c", ids=ids["c"][::-1].astype("<i8").tobytes()),
+        ]
+    )
+    with grpc.insecure_channel(reader.address) as channel:
+        reply = ps_pb2_grpc.ServingStub(channel).Lookup(request)
+    got = [np.frombuffer(r, "<f4") for r in reply.rows]
+    np.testing.assert_array_equal(got[0].reshape(-1, 4), want["c"])
+    np.testing.assert_array_equal(got[1].reshape(-1, 4), want["a"])
+    assert got[2].size == 0
+    np.testing.assert_array_equal(got[3].reshape(-1, 8), want["b"])
+    np.testing.assert_array_equal(got[4].reshape(-1, 4), want["c"][::-1])
+    assert reader.lookup_many({"a": ids["a"]})["a"].tolist() == want["a"].tolist()
+
+
+@pytest.mark.parametrize(
+    ("entries", "code", "says"),
+    [
+        ([("nope", np.arange(2))], grpc.StatusCode.INVALID_ARGUMENT, "no table named 'nope'"),
+        ([("a", np.arange(2)), ("a", np.array([100]))], grpc.StatusCode.INVALID_ARGUMENT, "outside 0..99"),
+        ([("a", np.array([-1]))], grpc.StatusCode.INVALID_ARGUMENT, "outside 0..99"),
+        ([("b", b"\x00" * 7)], grpc.StatusCode.INVALID_ARGUMENT, "7 bytes of IDs, not a multiple of 8"),
+        ([("b", np.arange(140_000))], grpc.StatusCode.RESOURCE_EXHAUSTED, "over the reply limit"),
+    ],
+)
+def test_a_lookup_it_cannot_answer_is_refused_and_changes_nothing(
+    served: tuple[ServingClient, PSClient, Widths], entries: list[tuple[str, object]], code: grpc.StatusCode, says: str
+) -> None:
+    reader, _, _ = served
+    before = reader.status().versions, reader.lookup_many({"a": np.arange(100), "c": np.arange(-9, 9)})
+    request = ps_pb2.LookupRequest(
+        tables=[
+            ps_pb2.ServingIds(table=t, ids=i if isinstance(i, bytes) else np.asarray(i, "<i8").tobytes())
+            for t, i in entries
+        ]
+    )
+    with grpc.insecure_channel(reader.address) as channel, pytest.raises(grpc.RpcError) as err:
+        ps_pb2_grpc.ServingStub(channel).Lookup(request)
+    assert err.value.code() == code
+    assert says in err.value.details()
+    after = reader.status().versions, reader.lookup_many({"a": np.arange(100), "c": np.arange(-9, 9)})
+    assert after[0] == before[0]
+    for name in ("a", "c"):
+        np.testing.assert_array_equal(after[1][name], before[1][name])
