@@ -38,10 +38,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
 
+## lint: ruff, mypy, and the structure rules (tools/check_structure.py: no import circle in worker/, no test importing
+## a test module, no function over 80 lines or module over 500 in paramserver/ and worker/)
 lint: $(STAMP)
-	$(VENV)/bin/ruff check paramserver worker tests bench deploy
-	$(VENV)/bin/ruff format --check paramserver worker tests bench deploy
-	$(VENV)/bin/mypy paramserver worker
+	$(VENV)/bin/ruff check paramserver worker tests bench deploy tools
+	$(VENV)/bin/ruff format --check paramserver worker tests bench deploy tools
+	$(VENV)/bin/mypy paramserver worker tools
+	$(PY) tools/check_structure.py
 
 ## proto: regenerate paramserver/v1 from protos/ (committed; tests check it is current)
 proto: $(STAMP)

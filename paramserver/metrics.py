@@ -190,7 +190,12 @@ class ShardMetrics:
             ["shard", "socket", "reason"],
             registry=r,
         )
-        # --replicas 2 (paramserver.server.replica): which copy serves, whether its backup counts, what failed.
+        self._replica_metrics(r, s)
+        _process_metrics(r, s)
+        self._shard = s
+
+    def _replica_metrics(self, r: CollectorRegistry, s: str) -> None:
+        """--replicas 2 (paramserver.server.replica): which copy serves, whether its backup counts, what failed."""
         self.primary = Gauge(
             "paramserver_replica_primary",
             "1 while this copy is its shard's primary, 0 as the backup",
@@ -222,15 +227,6 @@ class ShardMetrics:
             ["shard"],
             registry=r,
         ).labels(s)
-        # Read at each scrape: cheap, and a container's limit can be changed while it runs.
-        Gauge(
-            "paramserver_memory_limit_bytes",
-            "Memory this shard's process may use: its cgroup's limit (the container's), else the machine's RAM",
-            ["shard"],
-            registry=r,
-        ).labels(s).set_function(memory_limit)
-        ProcessCollector(registry=r)  # process_resident_memory_bytes and the other process_* metrics
-        self._shard = s
 
     def watch_tables(self, tables: Callable[[], Sequence[tuple[str, TableFigures]]]) -> None:
         """Export the figures of the sparse tables `tables()` names at each scrape."""
@@ -267,6 +263,18 @@ class ShardMetrics:
             self.staleness.observe(update.staleness)
         if update.straggler is not None:
             self.straggler(update.straggler)
+
+
+def _process_metrics(r: CollectorRegistry, s: str) -> None:
+    """The process's own figures: its memory limit and the standard process_* metrics."""
+    # Read at each scrape: cheap, and a container's limit can be changed while it runs.
+    Gauge(
+        "paramserver_memory_limit_bytes",
+        "Memory this shard's process may use: its cgroup's limit (the container's), else the machine's RAM",
+        ["shard"],
+        registry=r,
+    ).labels(s).set_function(memory_limit)
+    ProcessCollector(registry=r)  # process_resident_memory_bytes and the other process_* metrics
 
 
 class MetricsServer:

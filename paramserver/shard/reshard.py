@@ -33,15 +33,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from paramserver.config import ServerConfig
-from paramserver.placement import place
+from paramserver.placement import Placement, place
 from paramserver.shard import buffers as buffer_rules
 from paramserver.shard.durability import checkpoint
 from paramserver.shard.durability.checkpoint import Snapshot
-from paramserver.shard.reshard_cut import plan_optimizer, regather, table_part, tables_plan, union_applied
-from paramserver.shard.reshard_source import ReshardError, read_source, replay_config
+from paramserver.shard.reshard_cut import (
+    OptimizerPlan,
+    plan_optimizer,
+    regather,
+    table_part,
+    tables_plan,
+    union_applied,
+)
+from paramserver.shard.reshard_source import Part, ReshardError, read_source, replay_config
 from paramserver.tables import shard_of
 
 log = logging.getLogger(__name__)
@@ -103,7 +111,6 @@ def reshard(
         raise ReshardError(f"--shards must be at least 1, not {shards}")
     _check_target(target)
     parts = read_source(source, config)
-    n = len(parts)
     notes: list[str] = []
     versions = tuple(p.snap.version for p in parts)
     if len(set(versions)) > 1:
@@ -114,47 +121,95 @@ def reshard(
                 "whose write-ahead log is missing); --allow-mixed combines them anyway"
             )
         notes.append(f"combined different versions: {shown}; the new set is at version {max(versions)}")
-    version = max(versions)
-    snap0 = parts[0].snap
-    old = place(snap0.specs, n, tables=snap0.table_specs)
-    new = place(snap0.specs, shards, tables=snap0.table_specs)
-    plan = plan_optimizer(parts, allow_mixed, notes)
-    tables = tables_plan(parts, notes)
-    owners = [(shard_of(m["ids"], shards), shard_of(m["count_ids"], shards)) for m in tables]
-    applied = union_applied(parts)
-    params = [p.snap.params.detach().reshape(-1) for p in parts]
+    cut = _Cut.of(parts, shards, max(versions), allow_mixed, notes)
+    written, total = _write_staged(target, cut)
+    return ReshardReport(
+        source=source,
+        target=target,
+        source_shards=len(parts),
+        target_shards=shards,
+        version=cut.version,
+        source_versions=versions,
+        replayed=tuple(p.replayed for p in parts),
+        bytes=total,
+        seconds=time.monotonic() - started,
+        paths=tuple(target / name for name in written),
+        notes=tuple(notes),
+    )
 
+
+@dataclass(frozen=True)
+class _Cut:
+    """What every new shard's checkpoint is cut from: the old and new placements and the source's state."""
+
+    first: Snapshot
+    shards: int
+    version: int
+    old: Placement
+    new: Placement
+    plan: OptimizerPlan
+    tables: list[dict[str, np.ndarray]]
+    owners: list[tuple[np.ndarray, np.ndarray]]
+    applied: dict[str, list[int]]
+    params: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, parts: Sequence[Part], shards: int, version: int, allow_mixed: bool, notes: list[str]) -> _Cut:
+        first = parts[0].snap
+        tables = tables_plan(parts, notes)
+        return cls(
+            first=first,
+            shards=shards,
+            version=version,
+            old=place(first.specs, len(parts), tables=first.table_specs),
+            new=place(first.specs, shards, tables=first.table_specs),
+            plan=plan_optimizer(parts, allow_mixed, notes),
+            tables=tables,
+            owners=[(shard_of(m["ids"], shards), shard_of(m["count_ids"], shards)) for m in tables],
+            applied=union_applied(parts),
+            params=[p.snap.params.detach().reshape(-1) for p in parts],
+        )
+
+    def snapshot(self, j: int) -> Snapshot:
+        """New shard j's checkpoint."""
+        state: dict[Any, Any] = {}
+        if self.plan.present:
+            entry: dict[str, Any] = {
+                k: regather(self.old, flats, self.new, j) for k, flats in self.plan.elementwise.items()
+            }
+            entry.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.plan.scalars.items()})
+            state = {0: entry}
+        first = self.first
+        return Snapshot(
+            shard_index=j,
+            num_shards=self.shards,
+            specs=first.specs,
+            digest=self.new.digest,
+            version=self.version,
+            optimizer=first.optimizer,
+            params=regather(self.old, self.params, self.new, j),
+            optimizer_state={"state": state, "param_groups": [dict(g) for g in self.plan.param_groups]},
+            ever_full=first.ever_full,
+            applied={w: list(s) for w, s in self.applied.items()},
+            finished_workers=first.finished_workers,
+            table_specs=first.table_specs,
+            tables=[table_part(m, o, j) for m, o in zip(self.tables, self.owners, strict=True)],
+        )
+
+
+def _write_staged(target: Path, cut: _Cut) -> tuple[list[str], int]:
+    """Write every new shard's checkpoint into a staging directory beside `target`, then rename it to `target`:
+    the set is whole or absent. Return the files' names and their total size."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.reshard-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     written: list[str] = []
     total = 0
     try:
-        for j in range(shards):
-            state: dict[Any, Any] = {}
-            if plan.present:
-                entry: dict[str, Any] = {k: regather(old, flats, new, j) for k, flats in plan.elementwise.items()}
-                entry.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in plan.scalars.items()})
-                state = {0: entry}
-            snap = Snapshot(
-                shard_index=j,
-                num_shards=shards,
-                specs=snap0.specs,
-                digest=new.digest,
-                version=version,
-                optimizer=snap0.optimizer,
-                params=regather(old, params, new, j),
-                optimizer_state={"state": state, "param_groups": [dict(g) for g in plan.param_groups]},
-                ever_full=snap0.ever_full,
-                applied={w: list(s) for w, s in applied.items()},
-                finished_workers=snap0.finished_workers,
-                table_specs=snap0.table_specs,
-                tables=[table_part(m, o, j) for m, o in zip(tables, owners, strict=True)],
-            )
-            path = checkpoint.save(staging, snap)
+        for j in range(cut.shards):
+            path = checkpoint.save(staging, cut.snapshot(j))  # one shard's tensors held at a time
             total += path.stat().st_size
             written.append(path.name)
-            del snap, state
         _check_target(target)
         if target.exists():
             target.rmdir()
@@ -163,19 +218,7 @@ def reshard(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return ReshardReport(
-        source=source,
-        target=target,
-        source_shards=n,
-        target_shards=shards,
-        version=version,
-        source_versions=versions,
-        replayed=tuple(p.replayed for p in parts),
-        bytes=total,
-        seconds=time.monotonic() - started,
-        paths=tuple(target / name for name in written),
-        notes=tuple(notes),
-    )
+    return written, total
 
 
 def _fsync_dir(directory: Path) -> None:
