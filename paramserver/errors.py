@@ -75,6 +75,14 @@ class WrongJob(FailedPrecondition):
     """A worker that names another job."""
 
 
+class OtherDataset(FailedPrecondition):
+    """A claim naming another dataset than the one the job follows (ps-worker --follow)."""
+
+
+class NotClaimShard(FailedPrecondition):
+    """A claim sent to a shard that does not keep the job's claims (shard 0 does)."""
+
+
 class SharedMemoryUnavailable(FailedPrecondition):
     """The shard cannot use an offered shared-memory segment (another host, or disabled): use the streams."""
 
@@ -105,6 +113,11 @@ class StaleRound(Aborted):
 
 class UnknownWorker(Aborted):
     """A worker the shard does not know (never joined, left or was evicted): it should join again."""
+
+
+class ClaimNotHeld(Aborted):
+    """A finish of a dataset shard the worker does not hold (its claim was released): the shard is trained again
+    by whoever claims it next; the worker claims another."""
 
 
 class PullTimeout(PSError):

@@ -260,6 +260,9 @@ OVER: list[tuple[str, int, Callable[[Env], object]]] = [
     ("JoinRequest.job_name", 128, lambda e: e.stub.Join(ps_pb2.JoinRequest(worker_id="w", job_name=_over(128)))),
     ("HeartbeatRequest.worker_id", 128, lambda e: e.stub.Heartbeat(ps_pb2.HeartbeatRequest(worker_id=_over(128)))),
     ("LeaveRequest.worker_id", 128, lambda e: e.stub.Leave(ps_pb2.LeaveRequest(worker_id=_over(128)))),
+    ("ClaimRequest.worker_id", 128, lambda e: e.stub.Claim(ps_pb2.ClaimRequest(worker_id=_over(128), dataset="d"))),
+    ("ClaimRequest.job_name", 128, lambda e: e.stub.Claim(ps_pb2.ClaimRequest(worker_id="w", job_name=_over(128)))),
+    ("ClaimRequest.dataset", 256, lambda e: e.stub.Claim(ps_pb2.ClaimRequest(worker_id="w", dataset=_over(256)))),
     ("PullRequest.worker_id", 128, lambda e: e.pull(worker_id=_over(128))),
     ("PullRequest.incarnation", 64, lambda e: e.pull(worker_id=WORKER, incarnation=_over(64))),
     (

@@ -228,7 +228,23 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
         with rpc_errors(context, "Heartbeat", self.handler.rejected):
-            return ps_pb2.HeartbeatResponse(version=self.shard.heartbeat(request.worker_id))
+            return ps_pb2.HeartbeatResponse(version=self.shard.heartbeat(request.worker_id, request.idle))
+
+    def Claim(self, request: ps_pb2.ClaimRequest, context: grpc.ServicerContext) -> ps_pb2.ClaimResponse:
+        with rpc_errors(context, "Claim", self.handler.rejected):
+            shard = self.shard.claim(
+                request.worker_id, request.job_name, request.dataset, request.listed, request.finish, request.samples
+            )
+            return ps_pb2.ClaimResponse(shard=-1 if shard is None else shard, version=self.shard.version)
+
+    def Claims(self, request: ps_pb2.ClaimsRequest, context: grpc.ServicerContext) -> ps_pb2.ClaimsRecord:
+        with rpc_errors(context, "Claims", self.handler.rejected):
+            dataset, entries = self.shard.claim_record()
+            claims = [
+                ps_pb2.ShardClaim(shard=c.shard, state=c.state, worker_id=c.worker, tries=c.tries, samples=c.samples)
+                for c in entries
+            ]
+            return ps_pb2.ClaimsRecord(dataset=dataset, claims=claims)
 
     def Init(
         self, request_iterator: Iterator[ps_pb2.InitMessage], context: grpc.ServicerContext

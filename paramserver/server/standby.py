@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from paramserver.shard.claims import Claims
 from paramserver.shard.durability import persistence
 from paramserver.shard.durability.checkpoint import Snapshot
 from paramserver.shard.membership import AppliedLog
@@ -31,6 +32,7 @@ def install(shard: Shard, snap: Snapshot) -> None:
         shard.adopt_locked(model, snap.version)
         shard.applied = AppliedLog.restore(snap.applied)
         shard.finished_workers = snap.finished_workers
+        shard.claims = Claims.restore(snap.claims)
         shard.metrics.version.set(shard.version)
         shard.checkpoints.close_log()
         shard.checkpoints.forget_log(shard.index, replaced=True)

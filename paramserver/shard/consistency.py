@@ -89,7 +89,8 @@ class Policy(Protocol):
 
 
 class SyncPolicy:
-    """Bulk-synchronous: one in-place sum per round; the mean applies once every live worker has pushed.
+    """Bulk-synchronous: one in-place sum per round; the mean applies once every live worker has pushed (but those
+    idle: a --follow worker with no dataset shard to train leaves the round set until it pushes again).
 
     With `backup_workers` B, a round applies once all live workers but B have pushed; pushes for a closed round
     are refused. Memory is one gradient-sized buffer whatever the number of workers: a round's first gradient
@@ -159,7 +160,7 @@ class SyncPolicy:
         self._close_if_complete(shard)
 
     def waiting_for(self, shard: Applier) -> str:
-        missing = sorted(shard.membership.live - self._contributors)
+        missing = sorted(shard.membership.active - self._contributors)
         have = len(self._contributors)
         if not shard.membership.ever_full:
             return (
@@ -179,7 +180,7 @@ class SyncPolicy:
 
     def stable_for(self, shard: Applier, worker_id: str) -> bool:
         # No round closes without a live worker's gradient, unless backup workers let rounds close without it.
-        return self.backup_workers == 0 and worker_id in shard.membership.live
+        return self.backup_workers == 0 and worker_id in shard.membership.active
 
     def round_age(self) -> float:
         """Seconds since the open round's first gradient (0 when none is open)."""
@@ -187,7 +188,7 @@ class SyncPolicy:
 
     def _complete(self, shard: Applier, contributors: set[str]) -> bool:
         """Whether a round with gradients from these workers may apply."""
-        if len(shard.membership.live - contributors) > self.backup_workers:
+        if len(shard.membership.active - contributors) > self.backup_workers:
             return False
         return shard.membership.ever_full or len(contributors) >= shard.membership.expected - self.backup_workers
 
@@ -309,7 +310,7 @@ class SSPPolicy(AsyncPolicy):
 
     def _track(self, shard: Applier) -> None:
         """Follow the live workers: newcomers start at the slowest clock, the departed are forgotten."""
-        live = shard.membership.live
+        live = shard.membership.active  # an idle worker (--follow, caught up) holds nobody back
         start = self._slowest(live)
         self._clock = {w: self._clock.get(w, start) for w in live}
 

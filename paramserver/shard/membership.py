@@ -71,6 +71,8 @@ class Membership:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self._workers: dict[str, Worker] = {}
+        # Live workers with nothing to train for now (ps-worker --follow, caught up): out of the rounds' count.
+        self._idle: set[str] = set()
         # A sync job starts once it has had all its workers; until then a round waits for `expected` of them.
         self.ever_full = False
         self.expected = world_size  # fewer after a restart of a job some of whose workers have finished
@@ -106,7 +108,18 @@ class Membership:
 
     def leave(self, worker_id: str) -> bool:
         """Remove a worker; return whether it was in."""
+        self._idle.discard(worker_id)
         return self._workers.pop(worker_id, None) is not None
+
+    def set_idle(self, worker_id: str, idle: bool) -> bool:
+        """Say whether a live worker is idle (it pushes nothing until it is not); return whether that changed."""
+        if idle == (worker_id in self._idle) or worker_id not in self._workers:
+            return False
+        if idle:
+            self._idle.add(worker_id)
+        else:
+            self._idle.discard(worker_id)
+        return True
 
     def get(self, worker_id: str) -> Worker:
         """Return a live worker, renewing its lease, or raise UnknownWorker."""
@@ -132,6 +145,7 @@ class Membership:
         gone = [(w.worker_id, now - w.last_seen) for w in self._workers.values() if now - w.last_seen > lease_timeout]
         for worker_id, _ in gone:
             del self._workers[worker_id]
+            self._idle.discard(worker_id)
         return gone
 
     def rank_of(self, worker_id: str) -> int:
@@ -143,3 +157,8 @@ class Membership:
     def live(self) -> set[str]:
         """Ids of the live workers."""
         return set(self._workers)
+
+    @property
+    def active(self) -> set[str]:
+        """Ids of the live workers that are not idle: those a sync round waits for, whose clocks SSP compares."""
+        return set(self._workers) - self._idle

@@ -20,12 +20,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def join(shard: Shard, worker_id: str, job_name: str) -> tuple[int, int]:
-    """Add a worker to the job; return (rank, version)."""
+def check_job(shard: Shard, worker_id: str, job_name: str) -> None:
+    """Refuse a worker that names another job (WrongJob); an empty name is any."""
     if job_name and job_name != shard.config.job_name:
         raise WrongJob(
             f"worker {worker_id!r} belongs to job {job_name!r}, this shard serves job {shard.config.job_name!r}"
         )
+
+
+def join(shard: Shard, worker_id: str, job_name: str) -> tuple[int, int]:
+    """Add a worker to the job; return (rank, version)."""
+    check_job(shard, worker_id, job_name)
     with shard.lock:
         shard.check_serving()
         new = worker_id not in shard.membership.live
@@ -51,10 +56,11 @@ def leave(shard: Shard, worker_id: str, finished: bool = False) -> None:
                 " after finishing" if finished else "",
                 len(shard.membership.live),
             )
+            _release_claims(shard, worker_id, "left")
             if finished:
                 # Saved at once: a shard restarted after this must still count it, or the job never ends.
                 shard.checkpoint_locked()
-            _changed(shard)
+            changed(shard)
 
 
 def evict_expired(shard: Shard, now: float | None = None) -> None:
@@ -68,11 +74,22 @@ def evict_expired(shard: Shard, now: float | None = None) -> None:
         log.warning(
             "shard %d: evicted worker %s after %.1f s of silence (%d live)", shard.index, worker_id, silent, live
         )
+        _release_claims(shard, worker_id, "was evicted")
     if gone:
-        _changed(shard)
+        changed(shard)
+    # Holders that never came back after a restart (the record outlived them): freed once a lease has passed.
+    for index in shard.claims.expire(shard.membership.live, shard.config.lease_timeout, now):
+        log.warning("shard %d: dataset shard %d released: its holder did not come back", shard.index, index)
 
 
-def _changed(shard: Shard) -> None:
+def _release_claims(shard: Shard, worker_id: str, why: str) -> None:
+    """Free the dataset shards a worker held: whoever claims next trains them again from their start."""
+    for index in shard.claims.release(worker_id):
+        log.warning("shard %d: dataset shard %d released: worker %s %s", shard.index, index, worker_id, why)
+
+
+def changed(shard: Shard) -> None:
+    """Follow a change of the round set: a worker joined, left, was evicted, or went idle or busy."""
     shard.policy.membership_changed(shard)
     shard.metrics.live_workers.set(len(shard.membership.live))
     shard.lock.notify_all()  # a pull held back (sync round, ssp) for a worker that is gone may go on

@@ -22,6 +22,7 @@ from paramserver.config import ServerConfig
 from paramserver.errors import (
     InvalidArgument,
     ModelMismatch,
+    NotClaimShard,
     NotInitialized,
     NotPrimary,
     PullTimeout,
@@ -31,6 +32,7 @@ from paramserver.metrics import ShardMetrics
 from paramserver.placement import TensorSpec
 from paramserver.shard import roster, status
 from paramserver.shard.attachments import Attachments
+from paramserver.shard.claims import Claim, Claims
 from paramserver.shard.consistency import make_policy
 from paramserver.shard.durability import persistence
 from paramserver.shard.durability.checkpoint import Snapshot
@@ -88,6 +90,7 @@ class Shard:
         self.incarnation = uuid.uuid4().hex
         self.init_slot = InitSlot(self, self._cond)
         self._pending = PendingPushes()  # the pushes the next update holds
+        self.claims = Claims()  # which worker trains each shard of a followed dataset (shard 0's; see claim)
 
     # -- membership --------------------------------------------------------------------------------------------
 
@@ -105,12 +108,43 @@ class Shard:
             with self._cond:
                 self.membership.touch(worker_id)
 
-    def heartbeat(self, worker_id: str) -> int:
-        """Renew a worker's lease; return the version (UnknownWorker if it was evicted)."""
+    def heartbeat(self, worker_id: str, idle: bool = False) -> int:
+        """Renew a worker's lease and say whether it is idle (out of the rounds' count until it pushes again);
+        return the version (UnknownWorker if it was evicted)."""
         with self._cond:
             self.check_serving()
             self.membership.get(worker_id)
+            if self.membership.set_idle(worker_id, idle):
+                roster.changed(self)
             return self.version
+
+    # -- dataset claims (ps-worker --follow; paramserver.shard.claims) ---------------------------------------------
+
+    def claim(
+        self, worker_id: str, job_name: str, dataset: str, listed: int, finish: int = -1, samples: int = 0
+    ) -> int | None:
+        """Record that the worker trained dataset shard `finish` whole (>= 0), then give it the first of the
+        `listed` shards nobody holds or finished (None: none is left). A refused request changes nothing."""
+        roster.check_job(self, worker_id, job_name)
+        with self._cond:
+            self._check_claims(worker_id)
+            self.claims.check(dataset, listed)  # before the finish: a refused request changes nothing
+            if finish >= 0:
+                self.claims.finish(worker_id, dataset, finish, samples)
+            return self.claims.claim(worker_id, dataset, listed)
+
+    def claim_record(self) -> tuple[str, list[Claim]]:
+        """The followed dataset's key and every shard's claim (shard 0)."""
+        with self._cond:
+            self._check_claims()
+            return self.claims.dataset, self.claims.entries()
+
+    def _check_claims(self, worker_id: str | None = None) -> None:
+        self.check_serving()
+        if self.index != 0:
+            raise NotClaimShard(f"shard {self.index} keeps no dataset claims: shard 0 of the job does")
+        if worker_id is not None:
+            self.membership.get(worker_id)
 
     def check_worker(self, worker_id: str) -> None:
         """Raise UnknownWorker unless the worker is live (renewing its lease)."""
@@ -157,7 +191,8 @@ class Shard:
             self.membership.rejoin_all(snap.finished_workers)
             self.applied = AppliedLog.restore(snap.applied)
             self.finished_workers = snap.finished_workers
-            self.version = persistence.replay(self.config, self.index, model, self.applied, snap.version)
+            self.claims = Claims.restore(snap.claims)
+            self.version = persistence.replay(self.config, self.index, model, self.applied, snap.version, self.claims)
             self.publication.reset(self.version)
             self.metrics.version.set(self.version)
             self.checkpoints.open_log(self.index, self.version)
@@ -271,6 +306,8 @@ class Shard:
                 raise InvalidArgument(f"gradient of {grad.shape[0]} elements for a shard of {model.numel}")
             self.check_step(step)
             self.membership.get(worker_id)
+            if self.membership.set_idle(worker_id, False):  # an idle worker's push counts it in the rounds again
+                roster.changed(self)
             if self.applied.seen(worker_id, step):
                 self.stats.duplicate_pushes += 1
                 self.metrics.pushed("duplicate")
@@ -332,6 +369,7 @@ class Shard:
             grad.numpy(),
             list(rows),
             time.time(),
+            claims=self.claims.take_events(),
             forwards=forwards,
             waited=waited,
             staleness=staleness,
@@ -352,6 +390,7 @@ class Shard:
         if record_pushes:
             for worker_id, step in update.pushes:
                 self.applied.record(worker_id, step)
+            self.claims.apply_events(update.claims)
         self.advance_locked(update.version, model)
         self.consumers.applied(update)
 
@@ -400,6 +439,7 @@ class Shard:
             ever_full=self.membership.ever_full,
             applied=self.applied,
             finished_workers=self.finished_workers,
+            claims=self.claims,
         )
 
     def _snapshot_or_none(self) -> Snapshot | None:

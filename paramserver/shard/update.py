@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -41,6 +41,9 @@ class Update:
     grad: np.ndarray  # flat float32: what the optimizer gets (a buffer's elements carry values: ShardModel.step)
     rows: list[RowBlock]  # each table's unique IDs and their summed row gradients
     wall: float  # when it first applied (time.time()): the rows' last update time, for age-based eviction
+    # The dataset claims changed since the previous update (paramserver.shard.claims events; shard 0 of a
+    # --follow job): logged and replicated with it, applied by whoever applies it.
+    claims: list[dict[str, Any]] = field(default_factory=list)
     # Live only (never logged): how the update came to be, for the consumers that report or forward it.
     forwards: list[Forwarded | None] = field(default_factory=list)  # per push: its bytes on the way to the backup
     waited: float | None = None  # how long the round was open
@@ -55,7 +58,7 @@ class Update:
         if self._encoded is None:
             from paramserver.shard.durability import wal  # wal decodes into Updates: imported late, not in a circle
 
-            self._encoded = wal.encode(self.version, self.pushes, self.grad, self.rows, self.wall)
+            self._encoded = wal.encode(self.version, self.pushes, self.grad, self.rows, self.wall, self.claims)
         return self._encoded
 
     def set_encoded(self, parts: Sequence[memoryview | bytes]) -> None:

@@ -189,10 +189,12 @@ class JoinResponse(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., version: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "idle")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    IDLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    idle: bool
+    def __init__(self, worker_id: _Optional[str] = ..., idle: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("version",)
@@ -502,6 +504,56 @@ class ExchangeResponse(_message.Message):
     rows: _containers.RepeatedCompositeFieldContainer[Rows]
     rows_version: int
     def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., pulled: _Optional[_Union[PullHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., rows: _Optional[_Iterable[_Union[Rows, _Mapping]]] = ..., rows_version: _Optional[int] = ...) -> None: ...
+
+class ClaimRequest(_message.Message):
+    __slots__ = ("worker_id", "job_name", "dataset", "listed", "finish", "samples")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_NAME_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    LISTED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    job_name: str
+    dataset: str
+    listed: int
+    finish: int
+    samples: int
+    def __init__(self, worker_id: _Optional[str] = ..., job_name: _Optional[str] = ..., dataset: _Optional[str] = ..., listed: _Optional[int] = ..., finish: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class ClaimResponse(_message.Message):
+    __slots__ = ("shard", "version")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    version: int
+    def __init__(self, shard: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ClaimsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardClaim(_message.Message):
+    __slots__ = ("shard", "state", "worker_id", "tries", "samples")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRIES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    state: str
+    worker_id: str
+    tries: int
+    samples: int
+    def __init__(self, shard: _Optional[int] = ..., state: _Optional[str] = ..., worker_id: _Optional[str] = ..., tries: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class ClaimsRecord(_message.Message):
+    __slots__ = ("dataset", "claims")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    claims: _containers.RepeatedCompositeFieldContainer[ShardClaim]
+    def __init__(self, dataset: _Optional[str] = ..., claims: _Optional[_Iterable[_Union[ShardClaim, _Mapping]]] = ...) -> None: ...
 
 class ServingIds(_message.Message):
     __slots__ = ("table", "ids")

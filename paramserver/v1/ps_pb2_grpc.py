@@ -92,6 +92,16 @@ class ParameterServerStub:
                 request_serializer=paramserver_dot_v1_dot_ps__pb2.FollowRequest.SerializeToString,
                 response_deserializer=paramserver_dot_v1_dot_ps__pb2.FollowMessage.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/paramserver.v1.ParameterServer/Claim',
+                request_serializer=paramserver_dot_v1_dot_ps__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=paramserver_dot_v1_dot_ps__pb2.ClaimResponse.FromString,
+                _registered_method=True)
+        self.Claims = channel.unary_unary(
+                '/paramserver.v1.ParameterServer/Claims',
+                request_serializer=paramserver_dot_v1_dot_ps__pb2.ClaimsRequest.SerializeToString,
+                response_deserializer=paramserver_dot_v1_dot_ps__pb2.ClaimsRecord.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -196,6 +206,23 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Claim(self, request, context):
+        """Unary. Finish a dataset shard (ClaimRequest.finish) and claim the next (SPEC.md section 18), on shard 0.
+        FAILED_PRECONDITION for another job's name, another dataset than the job follows, or a shard other than 0;
+        ABORTED for an unknown worker or a finish of a shard the worker does not hold (its claim was released);
+        INVALID_ARGUMENT for an empty dataset key or a shard index past 2^31. A refused request changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Claims(self, request, context):
+        """Unary. The claims record (shard 0). FAILED_PRECONDITION on another shard.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -253,6 +280,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Follow,
                     request_deserializer=paramserver_dot_v1_dot_ps__pb2.FollowRequest.FromString,
                     response_serializer=paramserver_dot_v1_dot_ps__pb2.FollowMessage.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=paramserver_dot_v1_dot_ps__pb2.ClaimRequest.FromString,
+                    response_serializer=paramserver_dot_v1_dot_ps__pb2.ClaimResponse.SerializeToString,
+            ),
+            'Claims': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claims,
+                    request_deserializer=paramserver_dot_v1_dot_ps__pb2.ClaimsRequest.FromString,
+                    response_serializer=paramserver_dot_v1_dot_ps__pb2.ClaimsRecord.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -555,6 +592,60 @@ class ParameterServer:
             '/paramserver.v1.ParameterServer/Follow',
             paramserver_dot_v1_dot_ps__pb2.FollowRequest.SerializeToString,
             paramserver_dot_v1_dot_ps__pb2.FollowMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserver.v1.ParameterServer/Claim',
+            paramserver_dot_v1_dot_ps__pb2.ClaimRequest.SerializeToString,
+            paramserver_dot_v1_dot_ps__pb2.ClaimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claims(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserver.v1.ParameterServer/Claims',
+            paramserver_dot_v1_dot_ps__pb2.ClaimsRequest.SerializeToString,
+            paramserver_dot_v1_dot_ps__pb2.ClaimsRecord.FromString,
             options,
             channel_credentials,
             insecure,

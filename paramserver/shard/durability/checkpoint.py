@@ -90,6 +90,7 @@ class Snapshot:
     finished_workers: int = 0  # workers that completed their training (exit_when_done counts them)
     table_specs: tuple[TableSpec, ...] = ()  # the model's sparse tables
     tables: list[dict[str, np.ndarray]] = field(default_factory=list)  # each table's rows (ShardTables.snapshot)
+    claims: dict[str, Any] = field(default_factory=dict)  # the dataset claims (Claims.dump; shard 0 of --follow)
 
 
 def path_for(directory: Path, shard_index: int, version: int) -> Path:
@@ -168,6 +169,7 @@ def save_as(target: Path, snap: Snapshot, durable: bool = True) -> None:
             "ever_full": snap.ever_full,
             "applied": snap.applied,
             "finished_workers": snap.finished_workers,
+            "claims": snap.claims,
             "table_specs": [dataclasses.asdict(t) for t in snap.table_specs],
             "tables": table_keys,
             "created": time.time(),
@@ -235,6 +237,7 @@ def _snapshot(
         finished_workers=int(doc.get("finished_workers", 0)),  # absent from files of earlier versions
         table_specs=tuple(TableSpec(**t) for t in doc.get("table_specs", [])),
         tables=tables,
+        claims=dict(doc.get("claims") or {}),  # absent from files of earlier versions
     )
 
 

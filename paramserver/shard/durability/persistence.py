@@ -15,6 +15,7 @@ import torch
 
 from paramserver.config import ServerConfig
 from paramserver.placement import place
+from paramserver.shard.claims import Claims
 from paramserver.shard.durability import checkpoint, wal
 from paramserver.shard.membership import AppliedLog
 from paramserver.shard.model import ShardModel, build_model
@@ -140,6 +141,7 @@ def snapshot(
     ever_full: bool,
     applied: AppliedLog,
     finished_workers: int,
+    claims: Claims | None = None,
 ) -> checkpoint.Snapshot:
     """Copy everything needed to resume a shard holding `model` at `version` (under its lock, or on a quiet shard)."""
     state = model.optimizer.state_dict()
@@ -164,6 +166,7 @@ def snapshot(
         finished_workers=finished_workers,
         table_specs=model.placement.tables,
         tables=model.tables.snapshot(),
+        claims=claims.dump() if claims is not None and claims.dataset else {},
     )
 
 
@@ -206,10 +209,12 @@ def model_of(config: ServerConfig, index: int, snap: checkpoint.Snapshot) -> Sha
     return model
 
 
-def replay(config: ServerConfig, index: int, model: ShardModel, applied: AppliedLog, after: int) -> int:
+def replay(
+    config: ServerConfig, index: int, model: ShardModel, applied: AppliedLog, after: int, claims: Claims | None = None
+) -> int:
     """Apply shard `index`'s logged versions after `after` to `model` (restored from the checkpoint of `after`)
-    through `apply_update`, as they first applied, recording their pushes in `applied`; return the version
-    reached. A record of another model's size ends the replay."""
+    through `apply_update`, as they first applied, recording their pushes in `applied` (and the dataset claims
+    they changed in `claims`); return the version reached. A record of another model's size ends the replay."""
     version = after
     if not config.checkpoint_dir:
         return version
@@ -221,6 +226,8 @@ def replay(config: ServerConfig, index: int, model: ShardModel, applied: Applied
             break
         for worker_id, step in update.pushes:
             applied.record(worker_id, step)
+        if claims is not None:
+            claims.apply_events(update.claims)
         version = update.version
     if version > after:
         log.info("shard %d: replayed versions %d..%d from the write-ahead log", index, after + 1, version)

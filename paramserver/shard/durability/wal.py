@@ -15,7 +15,8 @@ Files: `shard-III-wal-vVVVVVVVVVVVV.log` in the checkpoint directory, a new one 
 records are the versions after VVV...), the older ones deleted once that checkpoint is on disk. Record layout,
 little-endian:
 
-    u32 magic "PSWL" | u32 header length | u32 CRC-32 of the header | header (JSON: version, pushes, sizes)
+    u32 magic "PSWL" | u32 header length | u32 CRC-32 of the header | header (JSON: version, pushes, sizes;
+    the dataset claims it changes, if any)
     | gradient bytes (float32) | for each table block: IDs (int64) then values (float32) | u64 version | "LEND"
 
 The header's checksum covers every length; the trailer repeats the version. A record cut short (a kill in the
@@ -35,6 +36,7 @@ import threading
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -167,20 +169,26 @@ class WriteAheadLog:
 
 
 def encode(
-    version: int, pushes: Sequence[tuple[str, int]], grad: np.ndarray, rows: Sequence[RowBlock], wall: float
+    version: int,
+    pushes: Sequence[tuple[str, int]],
+    grad: np.ndarray,
+    rows: Sequence[RowBlock],
+    wall: float,
+    claims: Sequence[dict[str, Any]] = (),
 ) -> list[memoryview | bytes]:
     """One record as buffers to write in order (views of `grad` and the rows, not copies): what the log writes
-    and what a primary streams to its backup."""
-    header = json.dumps(
-        {
-            "version": version,
-            "time": wall,
-            "pushes": [[w, s] for w, s in pushes],
-            "grad": int(grad.size),
-            "rows": [[b.table, len(b.ids), int(b.values.shape[1]) if b.values is not None else 0] for b in rows],
-        },
-        separators=(",", ":"),
-    ).encode()
+    and what a primary streams to its backup. `claims`: the dataset claims it changes (in the header; absent
+    when none, so the records of other jobs stay as they were)."""
+    doc: dict[str, Any] = {
+        "version": version,
+        "time": wall,
+        "pushes": [[w, s] for w, s in pushes],
+        "grad": int(grad.size),
+        "rows": [[b.table, len(b.ids), int(b.values.shape[1]) if b.values is not None else 0] for b in rows],
+    }
+    if claims:
+        doc["claims"] = list(claims)
+    header = json.dumps(doc, separators=(",", ":")).encode()
     parts: list[memoryview | bytes] = [_HEAD.pack(MAGIC, len(header), zlib.crc32(header)), header]
     parts.append(np.ascontiguousarray(grad, dtype=np.float32).data.cast("B"))
     for b in rows:
@@ -245,9 +253,11 @@ def decode(data: memoryview, at: int = 0) -> tuple[Update, int] | None:
         if end != END or version != doc["version"]:
             return None
         pushes = [(str(w), int(s)) for w, s in doc["pushes"]]
+        claims = [dict(c) for c in doc.get("claims", [])]
     except (KeyError, TypeError, ValueError):
         return None
-    return Update(int(doc["version"]), pushes, grad, rows, float(doc.get("time", 0.0))), body + _TAIL.size
+    update = Update(int(doc["version"]), pushes, grad, rows, float(doc.get("time", 0.0)), claims=claims)
+    return update, body + _TAIL.size
 
 
 def _write_all(fd: int, parts: list[memoryview | bytes], total: int) -> None:

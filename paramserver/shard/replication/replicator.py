@@ -75,7 +75,7 @@ class ReplicaFeed:
             or not self.replicator.send_forwarded(
                 update.version,
                 named,
-                wal.encode(update.version, update.pushes, _NO_GRAD, update.rows, update.wall),
+                wal.encode(update.version, update.pushes, _NO_GRAD, update.rows, update.wall, update.claims),
             )
         ):
             self.replicator.send(update.version, update.encoded())
