@@ -155,6 +155,164 @@ def test_deepctr_deepfm_trained_by_its_own_fit_through_the_servers_equals_local_
         assert np.allclose(got[rank], want, atol=1e-5), np.abs(got[rank] - want).max()
 
 
+# -- deepctr-torch's DeepFM as issue 37 converted it: Criteo-like fields, unbounded big tables, Adagrad ------------
+
+CRITEO_SIZES = (200_000, 100_000, 1_000, 300, 50, 12, 7, 3_000)  # the first two fields made unbounded
+CRITEO_WORKERS, CRITEO_BATCH, CRITEO_LR = 2, 500, 0.05
+REGS: dict[str, float] = {"l2_reg_linear": 0.0, "l2_reg_embedding": 0.0}
+
+
+def _criteo_like(rows: int, seed: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Zipf IDs per field (most of the big fields' IDs seen once), 4 dense features, labels from a planted logit."""
+    rng = np.random.default_rng(seed)
+    x: dict[str, np.ndarray] = {}
+    logit = np.full(rows, -1.0)
+    for f, size in enumerate(CRITEO_SIZES):
+        ids = (rng.zipf(1.2, rows) * 2_654_435_761 + f) % size
+        x[f"C{f}"] = ids
+        logit += np.sin(ids * (0.37 + f)) * (0.8 if f < 4 else 0.3) / np.sqrt(1 + ids / (50 if size > 1000 else 1e9))
+    for d in range(4):
+        x[f"I{d}"] = rng.standard_normal(rows).astype(np.float32)
+        logit += 0.3 * x[f"I{d}"] if d < 2 else 0.0
+    return x, (rng.random(rows) < 1 / (1 + np.exp(-logit))).astype(np.float32)
+
+
+def _criteo_deepfm(deepctr: Any, zero_tables: bool = False) -> nn.Module:
+    from deepctr_torch.inputs import DenseFeat, SparseFeat
+
+    columns = [SparseFeat(f"C{f}", size, embedding_dim=8) for f, size in enumerate(CRITEO_SIZES)]
+    columns += [DenseFeat(f"I{d}", 1) for d in range(4)]
+    model = deepctr.models.DeepFM(
+        columns, columns, task="binary", dnn_hidden_units=(64, 32), init_std=1e-4, seed=1024, device="cpu", **REGS
+    )
+    if zero_tables:
+        for module in model.modules():
+            if isinstance(module, nn.Embedding):
+                nn.init.zeros_(module.weight)
+    return model
+
+
+def _big_tables(model: nn.Module) -> list[str]:
+    return [
+        path
+        for path, module in model.named_modules()
+        if isinstance(module, nn.Embedding) and path.rsplit(".", 1)[-1] in ("C0", "C1")
+    ]
+
+
+def _mean_bce(pred: torch.Tensor, target: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+    """deepctr's fit asks for a summed loss; this one averages the batch (what loss_reduction="mean" says)."""
+    return nn.functional.binary_cross_entropy(pred, target, reduction="mean")
+
+
+def _deepfm_through_servers(
+    deepctr: Any,
+    cluster: LocalCluster,
+    x: dict[str, np.ndarray],
+    y: np.ndarray,
+    held_out: dict[str, np.ndarray],
+    *,
+    unbounded: bool,
+    reduction: str,
+    zero_tables: bool = False,
+) -> np.ndarray:
+    """Rank 0's predictions on `held_out` after each worker's fit() over its half of (x, y)."""
+    got: dict[int, np.ndarray] = {}
+    models = [_criteo_deepfm(deepctr, zero_tables) for _ in range(CRITEO_WORKERS)]
+    rows = len(y) // CRITEO_WORKERS
+
+    def worker(index: int) -> Callable[[], None]:
+        def run() -> None:
+            model = models[index]
+            model = make_sparse(model, unbounded=_big_tables(model) if unbounded else ())
+            with PSClient(cluster.address) as client:
+                loss = _mean_bce if reduction == "mean" else "binary_crossentropy"
+                model.compile(PSOptimizer(model, client, loss_reduction=reduction), loss)
+                mine = slice(client.rank * rows, (client.rank + 1) * rows)
+                part = {k: v[mine] for k, v in x.items()}
+                model.fit(part, y[mine], batch_size=CRITEO_BATCH, epochs=1, verbose=0, shuffle=False)
+                got[client.rank] = model.predict(held_out, batch_size=4096)
+                client.leave(finished=True)
+
+        return run
+
+    _in_threads([worker(r) for r in range(CRITEO_WORKERS)])
+    return got[0]
+
+
+def _criteo_local(
+    deepctr: Any, x: dict[str, np.ndarray], y: np.ndarray, zero_tables: bool = False, reduction: str = "sum"
+) -> nn.Module:
+    """The same DeepFM fit() locally with torch's Adagrad on the combined batches (each worker's step-k batch, one
+    after the other)."""
+    rows = len(y) // CRITEO_WORKERS
+    steps = rows // CRITEO_BATCH
+    order = np.concatenate(
+        [
+            np.arange(r * rows + k * CRITEO_BATCH, r * rows + (k + 1) * CRITEO_BATCH)
+            for k in range(steps)
+            for r in (0, 1)
+        ]
+    )
+    model = _criteo_deepfm(deepctr, zero_tables)
+    loss = _mean_bce if reduction == "mean" else "binary_crossentropy"
+    model.compile(torch.optim.Adagrad(model.parameters(), lr=CRITEO_LR), loss)
+    batch = CRITEO_WORKERS * CRITEO_BATCH
+    model.fit({k: v[order] for k, v in x.items()}, y[order], batch_size=batch, epochs=1, verbose=0, shuffle=False)
+    return model
+
+
+def test_unbounded_tables_train_as_local_adagrad_does_with_a_summed_or_averaged_loss(
+    deepctr: Any, ps_cluster_factory: Callable[..., LocalCluster]
+) -> None:
+    """Exact: the DeepFM's tables zeroed (so an unbounded table's inferred rule, zeros, is the module's own start),
+    two workers' fit() through the servers equal a local fit() with torch's Adagrad on the same loss, summed or
+    averaged. A row gradient scaled or divided otherwise than the dense part's, or a row optimizer unlike torch's,
+    fails it. (A summed and an averaged loss are not the same training for Adagrad itself: at deepctr's init_std
+    1e-4 an averaged loss leaves gradients near Adagrad's eps, 1e-10, which then damps their steps.)"""
+    x, y = _criteo_like(CRITEO_WORKERS * CRITEO_BATCH * 6 + 1000)
+    train = {k: v[:-1000] for k, v in x.items()}
+    held_out = {k: v[-1000:] for k, v in x.items()}
+    for reduction in ("sum", "mean"):
+        want = _criteo_local(deepctr, train, y[:-1000], True, reduction).predict(held_out, batch_size=4096)
+        config = ServerConfig(mode="sync", workers=CRITEO_WORKERS, optimizer="adagrad", lr=CRITEO_LR)
+        cluster = ps_cluster_factory(config, shards=2)
+        got = _deepfm_through_servers(
+            deepctr, cluster, train, y[:-1000], held_out, unbounded=True, reduction=reduction, zero_tables=True
+        )
+        cluster.stop()
+        gap = np.abs(got - want).max()
+        print(f"unbounded, {reduction}: max |distributed - local| = {gap:.2e}")
+        assert gap < (1e-5 if reduction == "sum" else 1e-3), gap  # Adagrad near eps amplifies roundings
+
+
+def test_the_deepfm_of_issue_37_reaches_local_auc_with_unbounded_tables_and_either_reduction(
+    deepctr: Any, ps_cluster_factory: Callable[..., LocalCluster]
+) -> None:
+    """The issue's setup, smaller: deepctr's DeepFM (init_std 1e-4), its two big fields unbounded, fit() by two
+    workers x two shards, sync Adagrad; held-out AUC against the same fit() locally."""
+    from sklearn.metrics import roc_auc_score
+
+    rows = CRITEO_WORKERS * CRITEO_BATCH * 20
+    x, y = _criteo_like(rows + 5000)
+    train = {k: v[:rows] for k, v in x.items()}
+    held_out = {k: v[rows:] for k, v in x.items()}
+    local = roc_auc_score(y[rows:], _criteo_local(deepctr, train, y[:rows]).predict(held_out, batch_size=4096))
+    figures = {}
+    for unbounded, reduction in ((False, "sum"), (True, "sum"), (True, "mean")):
+        config = ServerConfig(mode="sync", workers=CRITEO_WORKERS, optimizer="adagrad", lr=CRITEO_LR)
+        cluster = ps_cluster_factory(config, shards=2)
+        got = _deepfm_through_servers(
+            deepctr, cluster, train, y[:rows], held_out, unbounded=unbounded, reduction=reduction
+        )
+        cluster.stop()
+        figures[("unbounded" if unbounded else "bounded", reduction)] = roc_auc_score(y[rows:], got)
+    print(f"DeepFM AUC: local {local:.4f}, " + ", ".join(f"{u} {r} {a:.4f}" for (u, r), a in figures.items()))
+    assert local > 0.6, "the data carries too little signal: the test would not tell"
+    for auc in figures.values():
+        assert auc >= local - 0.01, figures
+
+
 # -- PyTorch Lightning -----------------------------------------------------------------------------------------------
 
 
