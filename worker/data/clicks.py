@@ -14,6 +14,9 @@ gzip, one or several files, their lines in the order given.
 - The held-out split is --test-fraction of the lines exactly (to a line), spread evenly: line i (from 0) is held out
   when floor((i + 1) f) > floor(i f), f the fraction as a ratio of integers (0.2: every 5th line; 0.6: 3 lines of
   each 5); deterministic, and spread over the days.
+- `prepare_part` (ps-prepare --follow, worker/data/follow.py) prepares one file more of a growing dataset: shards
+  named by the file's place, ids running on from the dataset's, each shard's ids consecutive, the dataset's
+  normalisation kept; its manifest is the caller's to merge.
 - Memory follows the block, not the input: the files are read twice as a stream of pyarrow CSV blocks (4 MiB of
   text each), the first pass for the dense statistics and the line count, the second to write. Each block's
   training lines are cut into `--shards` consecutive pieces, one appended to each shard file (as a Parquet row
@@ -26,7 +29,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -235,6 +238,40 @@ def held_out(first: int, n: int, share: Fraction) -> np.ndarray:
     return np.diff(i) > 0
 
 
+@dataclass(frozen=True)
+class Scan:
+    """Pass 1 over click logs: the training lines' dense statistics, and each block's lines by split."""
+
+    mean: np.ndarray  # float64 [dense features], of the training lines' transformed dense features
+    std: np.ndarray  # likewise; 1 where a feature is constant
+    train_blocks: tuple[int, ...]  # training lines per block, in order
+    test_blocks: tuple[int, ...]  # held-out lines per block
+
+
+def scan(source: ClickSource, share: Fraction, bar: Any = None) -> Scan:
+    """Pass 1: the dense statistics of the training lines (`share` of the lines held out), and the lines per block."""
+    width = len(source.dense)
+    total, squares, lines = np.zeros(width), np.zeros(width), 0
+    train_blocks, test_blocks = [], []
+    for _, batch in source.blocks(True, bar):
+        train = ~held_out(lines, batch.num_rows, share)
+        x = source.dense_values(batch)[train]
+        total += x.sum(0)
+        squares += np.square(x).sum(0)
+        train_blocks.append(len(x))
+        test_blocks.append(batch.num_rows - len(x))
+        lines += batch.num_rows
+    count = max(1, sum(train_blocks))
+    mean = total / count
+    std = np.sqrt(np.maximum(squares / count - mean**2, 0.0))
+    return Scan(mean, np.where(std > 1e-12, std, 1.0), tuple(train_blocks), tuple(test_blocks))
+
+
+def share_of(test_fraction: float) -> Fraction:
+    """--test-fraction as the ratio of integers `held_out` takes."""
+    return Fraction(test_fraction).limit_denominator(1 << 20)
+
+
 def prepare_clicks(
     source: ClickSource,
     out: str,
@@ -246,7 +283,7 @@ def prepare_clicks(
     progress: bool,
 ) -> Manifest:
     """Prepare click logs into `shards` train shards and a test split under `out`; return the manifest."""
-    share = Fraction(test_fraction).limit_denominator(1 << 20)
+    share = share_of(test_fraction)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -254,33 +291,75 @@ def prepare_clicks(
         bar = tqdm(
             total=2 * source.size, desc=f"ps-prepare {source.name}", unit="B", unit_scale=True, dynamic_ncols=True
         )
-    width = len(source.dense)
     try:
-        # Pass 1: the dense statistics of the training lines, and the line count.
-        total, squares, count, lines = np.zeros(width), np.zeros(width), 0, 0
-        for _, batch in source.blocks(True, bar):
-            train = ~held_out(lines, batch.num_rows, share)
-            x = source.dense_values(batch)[train]
-            total += x.sum(0)
-            squares += np.square(x).sum(0)
-            count += len(x)
-            lines += batch.num_rows
-        if count < shards:
-            raise ValueError(f"{count} training lines cannot fill {shards} shards")
-        mean = total / count
-        std = np.sqrt(np.maximum(squares / count - mean**2, 0.0))
-        std = np.where(std > 1e-12, std, 1.0)
-        test_count = min(test_shards or max(1, shards // 10), max(1, lines - count))
+        scanned = scan(source, share, bar)
+        if sum(scanned.train_blocks) < shards:
+            raise ValueError(f"{sum(scanned.train_blocks)} training lines cannot fill {shards} shards")
+        test_count = min(test_shards or max(1, shards // 10), max(1, sum(scanned.test_blocks)))
         with tempfile.TemporaryDirectory(prefix="ps-prepare-clicks-") as scratch:
             plan = _Plan(Path(scratch), out, {"train": shards, "test": test_count}, share, compression)
-            splits, distinct = _write(source, plan, mean, std, bar)
+            splits, distinct = _write(source, plan, scanned.mean, scanned.std, bar)
     finally:
         if bar is not None:
             bar.close()
-    manifest = Manifest(
+    manifest = _manifest(source, out, splits, scanned.mean, scanned.std, distinct)
+    storage.write_bytes(storage.join(out, MANIFEST), manifest.to_json().encode())  # last: the dataset is whole
+    return manifest
+
+
+def prepare_part(
+    source: ClickSource,
+    out: str,
+    *,
+    prefix: str,
+    first_ids: Mapping[str, int],
+    shards: int,
+    test_shards: int | None,
+    test_fraction: float,
+    compression: str,
+    stats: tuple[np.ndarray, np.ndarray] | None = None,
+) -> Manifest:
+    """Prepare one more part of a growing dataset (ps-prepare --follow: one source file) into shards named
+    `prefix`SPLIT-I-of-N.parquet, stored durably under `out`, with ids from `first_ids[split]` on, consecutive from
+    one shard to the next; the dense features normalised by `stats` (the dataset's mean and std), or by the part's
+    own (the first part). Return the part's own manifest, not stored: the caller appends its splits to the dataset's.
+    ValueError when the part holds no training line, or is no click log of this source's kind."""
+    share = share_of(test_fraction)
+    scanned = scan(source, share)
+    if not sum(scanned.train_blocks):
+        raise ValueError(f"{source.origin} holds no training lines")
+    mean, std = stats if stats is not None else (scanned.mean, scanned.std)
+    # Each block deals its lines out to the shards (np.array_split): with no more shards than the largest block has
+    # lines of a split, none is empty, and each shard's size is known before a line is written.
+    counts = {"train": min(shards, max(scanned.train_blocks))}
+    blocks = {"train": scanned.train_blocks}
+    if sum(scanned.test_blocks):
+        counts["test"] = min(test_shards or max(1, shards // 10), max(scanned.test_blocks))
+        blocks["test"] = scanned.test_blocks
+    sizes = {split: _dealt(blocks[split], n) for split, n in counts.items()}
+    with tempfile.TemporaryDirectory(prefix="ps-prepare-part-") as scratch:
+        plan = _Plan(Path(scratch), out, counts, share, compression, prefix, sizes, dict(first_ids), durable=True)
+        splits, distinct = _write(source, plan, mean, std, None)
+    return _manifest(source, out, splits, mean, std, distinct)
+
+
+def _dealt(blocks: Sequence[int], shards: int) -> list[int]:
+    """Each shard's lines when every block's lines are dealt out as np.array_split cuts them."""
+    return [sum(n // shards + (k < n % shards) for n in blocks) for k in range(shards)]
+
+
+def _manifest(
+    source: ClickSource,
+    out: str,
+    splits: dict[str, Split],
+    mean: np.ndarray,
+    std: np.ndarray,
+    distinct: dict[str, _Distinct],
+) -> Manifest:
+    return Manifest(
         name=source.name,
         task="classification",
-        in_shape=(width,),
+        in_shape=(len(source.dense),),
         num_classes=2,
         splits=splits,
         normalization={"axis": "feature", "mean": mean.tolist(), "std": std.tolist()},
@@ -292,8 +371,6 @@ def prepare_clicks(
         ),
         base=out,
     )
-    storage.write_bytes(storage.join(out, MANIFEST), manifest.to_json().encode())  # last: the dataset is whole
-    return manifest
 
 
 @dataclass(frozen=True)
@@ -303,6 +380,15 @@ class _Plan:
     counts: dict[str, int]  # shards per split
     share: Fraction  # the held-out fraction of the lines (held_out)
     compression: str
+    prefix: str = ""  # of the shards' names
+    # Each shard's lines, known beforehand (prepare_part): ids then run on from shard to shard, from first_ids on;
+    # None: ids in the order of the lines (a shard holds ids of every block).
+    sizes: dict[str, list[int]] | None = None
+    first_ids: dict[str, int] | None = None
+    durable: bool = False  # fsync each stored shard (a local one) before a manifest names it
+
+    def names(self) -> dict[str, list[str]]:
+        return {s: [f"{self.prefix}{s}-{i:05d}-of-{n:05d}.parquet" for i in range(n)] for s, n in self.counts.items()}
 
 
 def _write(
@@ -317,7 +403,7 @@ def _write(
         [("id", pa.int64()), ("x", pa.list_(pa.float32(), width)), ("y", pa.int64())]
         + [(f.column, pa.list_(pa.int64()) if f.multi_hot else pa.int64()) for f in source.features]
     )
-    names = {s: [f"{s}-{i:05d}-of-{n:05d}.parquet" for i in range(n)] for s, n in plan.counts.items()}
+    names = plan.names()
     compression = None if plan.compression == "none" else plan.compression
     writers = {
         s: [
@@ -334,6 +420,10 @@ def _write(
     }
     held = {s: [0] * n for s, n in plan.counts.items()}
     seen = {s: 0 for s in plan.counts}
+    starts = None  # each shard's first id, where its size is known
+    if plan.sizes is not None:
+        firsts = plan.first_ids or {}
+        starts = {s: [firsts.get(s, 0) + sum(n[:k]) for k in range(len(n))] for s, n in plan.sizes.items()}
     distinct = {f.name: _Distinct() for f in source.features}
     lines, in_file, file = 0, 0, None  # lines so far; of them, those of the file the block is from
     try:
@@ -350,10 +440,10 @@ def _write(
                 if split == "train":
                     for f in source.features:
                         distinct[f.name].add(_values(ids[f.name], rows))
-                for k, part in enumerate(np.array_split(rows, plan.counts[split])):
+                for k, part in enumerate(np.array_split(rows, plan.counts[split]) if len(rows) else ()):
                     if not len(part):
                         continue
-                    first = seen[split]
+                    first = seen[split] if starts is None else starts[split][k] + held[split][k]
                     seen[split] += len(part)
                     held[split][k] += len(part)
                     columns = {
@@ -368,6 +458,15 @@ def _write(
         for ws in writers.values():
             for w in ws:
                 w.close()
+    if plan.sizes is not None and held != plan.sizes:
+        raise ValueError(f"{source.origin} changed while it was read: its lines are not those counted first")
+    return _store(plan, names, held, seen), distinct
+
+
+def _store(
+    plan: _Plan, names: dict[str, list[str]], held: dict[str, list[int]], seen: dict[str, int]
+) -> dict[str, Split]:
+    """Store the finished shard files one at a time, with their sizes and SHA-256 sums."""
     splits = {}
     for split, count in plan.counts.items():
         stored = []
@@ -375,11 +474,11 @@ def _write(
             if n == 0:
                 raise ValueError(f"too few {split} lines for {count} shards: fewer --shards or --test-shards")
             data = (plan.scratch / name).read_bytes()
-            storage.write_bytes(storage.join(plan.out, name), data)
+            storage.write_bytes(storage.join(plan.out, name), data, durable=plan.durable)
             stored.append(ShardFile(name, n, len(data), hashlib.sha256(data).hexdigest()))
             (plan.scratch / name).unlink()
         splits[split] = Split(seen[split], tuple(stored))
-    return splits, distinct
+    return splits
 
 
 def _rows(column: Any, rows: np.ndarray) -> Any:

@@ -13,6 +13,11 @@ a `schema`: `x` then holds its dense features (`schema.dense`, in that order; `i
 int64 0/1 label (a classification of 2 classes), and each categorical feature is one more column, `cat_<name>`:
 int64 IDs, or a list of int64 IDs for a multi-hot feature (a bag). IDs are raw (no vocabulary): a missing value is
 `MISSING_ID`, the same in every column.
+
+A dataset that `ps-prepare --follow` grows (docs/continuous.md) also lists the source files it took (`files`: each
+one's name, size and version, and the shards it became, in the order taken) and those it refused (`rejected`, with
+the reason); both are absent from other manifests. Its splits only grow: a later manifest's shard lists start with
+the earlier one's, unchanged.
 """
 
 from __future__ import annotations
@@ -80,6 +85,34 @@ class Schema:
 
 
 @dataclass(frozen=True)
+class SourceFile:
+    """A source file `ps-prepare --follow` took, and the shards it became."""
+
+    name: str  # its path under the followed directory or prefix
+    size: int  # bytes, when it was taken
+    version: str  # its ETag or modification time then (storage.Listed.version)
+    landed: float  # Unix time the follower first saw it (its clock; a restarted follower's first listing)
+    prepared: float  # Unix time its shards were stored, just before the manifest listing them
+    seconds: float  # spent preparing it (reading it, writing and storing its shards)
+    train: tuple[str, ...]  # its shards' paths in the train split (consecutive there)
+    train_samples: int
+    test: tuple[str, ...] = ()  # and in the test split (none where it held no line out)
+    test_samples: int = 0
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A source file `ps-prepare --follow` refused: nothing of it is in the dataset; it is judged again if its size
+    or version changes."""
+
+    name: str
+    size: int
+    version: str
+    reason: str  # one line: what is wrong with it
+    at: float  # Unix time it was refused
+
+
+@dataclass(frozen=True)
 class Manifest:
     """What a prepared dataset holds; `base` is the URL of the directory it was read from (not stored)."""
 
@@ -92,6 +125,8 @@ class Manifest:
     source: str = ""
     classes: tuple[str, ...] = ()  # class names, where the source named them (image folders, string labels)
     schema: Schema | None = None  # the features of a dataset with categorical columns (click logs); else None
+    files: tuple[SourceFile, ...] = ()  # ps-prepare --follow: the source files taken, in order
+    rejected: tuple[Rejected, ...] = ()  # ps-prepare --follow: the source files refused
     base: str = ""
 
     def url(self, shard: ShardFile) -> str:
@@ -108,6 +143,9 @@ class Manifest:
         del doc["base"]
         if doc["schema"] is None:
             del doc["schema"]  # the manifests of datasets without categorical columns stay as they were
+        for key in ("files", "rejected"):
+            if not doc[key]:
+                del doc[key]  # and those not grown by ps-prepare --follow
         return json.dumps(doc, indent=2) + "\n"
 
 
@@ -163,6 +201,11 @@ def parse(doc: Any, *, base: str, where: str) -> Manifest:
             source=str(doc.get("source", "")),
             classes=tuple(str(c) for c in doc.get("classes") or ()),
             schema=_schema(doc["schema"]) if doc.get("schema") is not None else None,
+            files=tuple(_source_file(f) for f in doc.get("files") or ()),
+            rejected=tuple(
+                Rejected(str(r["name"]), int(r["size"]), str(r["version"]), str(r["reason"]), float(r["at"]))
+                for r in doc.get("rejected") or ()
+            ),
             base=base,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -185,6 +228,10 @@ def parse(doc: Any, *, base: str, where: str) -> Manifest:
             raise fail("a schema needs categorical features of distinct names and a known dense transform")
     elif not manifest.in_shape or min(manifest.in_shape) < 1 or manifest.num_classes < 1:
         raise fail(f"sample shape {manifest.in_shape} or {manifest.num_classes} outputs")
+    paths = {name: {f.path for f in split.shards} for name, split in splits.items()}
+    for f in manifest.files:
+        if not set(f.train) <= paths["train"] or not set(f.test) <= paths.get("test", set()):
+            raise fail(f"the shards of source file {f.name} are not all in the splits")
     return manifest
 
 
@@ -204,4 +251,19 @@ def _schema(doc: Any) -> Schema:
             for c in doc["categorical"]
         ),
         dense_transform=str(doc.get("dense_transform", "none")),
+    )
+
+
+def _source_file(doc: Any) -> SourceFile:
+    return SourceFile(
+        name=str(doc["name"]),
+        size=int(doc["size"]),
+        version=str(doc["version"]),
+        landed=float(doc["landed"]),
+        prepared=float(doc["prepared"]),
+        seconds=float(doc["seconds"]),
+        train=tuple(str(p) for p in doc["train"]),
+        train_samples=int(doc["train_samples"]),
+        test=tuple(str(p) for p in doc.get("test") or ()),
+        test_samples=int(doc.get("test_samples", 0)),
     )

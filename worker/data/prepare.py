@@ -16,96 +16,23 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from paramserver.config import add_arguments, config_field, from_arguments
+from paramserver.config import add_arguments, from_arguments
 from worker.data import storage
-from worker.data.manifest import MANIFEST, TASKS, Manifest, ShardFile, Split
+from worker.data.manifest import MANIFEST, Manifest, ShardFile, Split
+from worker.data.sources import Arrays, PrepareConfig, click_source, held_out_count
 
 log = logging.getLogger(__name__)
 
-_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 _ORDER_SEED = 1  # the fixed shuffle of the training samples before they are cut into shards
-
-
-@dataclass(frozen=True)
-class PrepareConfig:
-    """How ps-prepare turns a source into shards."""
-
-    out: str = config_field("", "where to write the shards and manifest.json: a directory, file://, s3://, hdfs://")
-    shards: int = config_field(
-        8, "train shards to write: at least the number of workers that will read them (each reads its own)"
-    )
-    test_shards: int | None = config_field(None, "test shards to write (default: as many as a tenth of --shards)")
-    normalize: bool = config_field(
-        True, "normalise each feature (each channel of an image) by the training split's mean and std"
-    )
-    image_size: int = config_field(32, "image folders: resize every image to this many pixels square")
-    color: str = config_field("rgb", "image folders: rgb (3 channels) or gray (1)", choices=("rgb", "gray"))
-    label: str = config_field("label", "CSV/Parquet tables: the label column; the other columns are the features")
-    task: str = config_field(
-        "auto",
-        "tables and .npz: classification (integer or string labels) or regression (numeric targets); auto: "
-        "regression when the labels are floats",
-        choices=("auto", *TASKS),
-    )
-    test_fraction: float = config_field(
-        0.2,
-        "sources with no test split of their own: the share held out for test, as asked (to a line; click logs: "
-        "spread evenly, 0.2 every fifth line, 0.6 three of each five)",
-    )
-    seed: int = config_field(0, "seed of the held-out split of sources that have none")
-    compression: str = config_field("zstd", "Parquet compression", choices=("zstd", "snappy", "gzip", "none"))
-    categorical: str = config_field(
-        "",
-        "CSV/Parquet tables of click logs: comma-separated columns that are categorical features (integers kept as "
-        "IDs, strings hashed; no vocabulary), the label 0/1 and every other column a dense feature; ps-worker then "
-        "trains --model dlrm on it",
-    )
-    multi_hot: str = config_field(
-        "",
-        "click-log tables: COLUMN:SEPARATOR[,COLUMN:SEPARATOR...], columns holding bags of IDs as text split on "
-        "SEPARATOR (e.g. tags:|)",
-    )
-    format: str = config_field(
-        "auto",
-        "auto: the source's own kind (a built-in, .npz, an image folder, a .csv/.parquet table); criteo: Criteo day "
-        "files (label, 13 integers, 26 hashes, tab-separated, plain or .gz; several at once) into click-log shards "
-        "with a schema for ps-worker --model dlrm (worker/data/clicks.py)",
-        choices=("auto", "criteo"),
-    )
-    progress: bool = config_field(True, "show a progress bar")
-
-    def __post_init__(self) -> None:
-        if self.shards < 1:
-            raise ValueError(f"shards must be at least 1, not {self.shards}")
-        if self.test_shards is not None and self.test_shards < 1:
-            raise ValueError(f"test-shards must be at least 1, not {self.test_shards}")
-        if self.image_size < 1:
-            raise ValueError(f"image-size must be at least 1, not {self.image_size}")
-        if not 0 < self.test_fraction < 1:
-            raise ValueError(f"test-fraction must be between 0 and 1, not {self.test_fraction}")
-
-
-@dataclass(frozen=True)
-class Arrays:
-    """A source read into memory, before normalisation."""
-
-    name: str
-    task: str
-    x_train: np.ndarray  # float32, (N, *in_shape)
-    y_train: np.ndarray  # int64 (N,), or float32 (N,) / (N, k)
-    x_test: np.ndarray
-    y_test: np.ndarray
-    num_classes: int
-    classes: tuple[str, ...] = ()
 
 
 def prepare(source: str | Sequence[str], config: PrepareConfig) -> Manifest:
@@ -114,7 +41,7 @@ def prepare(source: str | Sequence[str], config: PrepareConfig) -> Manifest:
     if not config.out:
         raise ValueError("say where to write the dataset: --out DIR or URL")
     sources = [source] if isinstance(source, str) else list(source)
-    clicks = _click_source(sources, config)
+    clicks = click_source(sources, config)
     if clicks is not None:
         from worker.data.clicks import prepare_clicks
 
@@ -132,22 +59,6 @@ def prepare(source: str | Sequence[str], config: PrepareConfig) -> Manifest:
     source = sources[0]
     with tempfile.TemporaryDirectory(prefix="ps-prepare-") as scratch:
         return _prepare(source, config, read_source(source, config, Path(scratch)))
-
-
-def _click_source(sources: list[str], config: PrepareConfig) -> Any:
-    """The click-log source these sources and flags name (worker.data.clicks.ClickSource), or None for the rest."""
-    if config.format == "criteo":
-        from worker.data.clicks import Criteo
-
-        return Criteo(sources)
-    if not (config.categorical or config.multi_hot):
-        return None
-    if len(sources) != 1:
-        raise ValueError(f"one table at a time, not {len(sources)}")
-    from worker.data.click_tables import Table, parse_multi_hot
-
-    columns = [c.strip() for c in config.categorical.split(",") if c.strip()]
-    return Table(sources[0], config.label, columns, parse_multi_hot(config.multi_hot))
 
 
 def _prepare(source: str, config: PrepareConfig, arrays: Arrays) -> Manifest:
@@ -216,7 +127,9 @@ def read_source(source: str, config: PrepareConfig, scratch: Path) -> Arrays:
     if suffix in (".csv", ".parquet"):
         return _table(source, config)
     if "://" not in source and Path(source).is_dir():
-        return _image_folder(Path(source), config, scratch)
+        from worker.data.images import read_image_folder
+
+        return read_image_folder(Path(source), config, scratch)
     from worker.data.datasets import load_dataset
 
     data = load_dataset(source)
@@ -247,14 +160,9 @@ def _split(
     x: np.ndarray, y: np.ndarray, config: PrepareConfig
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     order = np.random.default_rng(config.seed).permutation(len(x))
-    n_test = _test_count(len(x), config)
+    n_test = held_out_count(len(x), config)
     test, train = order[:n_test], order[n_test:]
     return x[train], y[train], x[test], y[test]
-
-
-def _test_count(n: int, config: PrepareConfig) -> int:
-    """How many of a source's n samples a source without a test split of its own holds out."""
-    return max(1, round(n * config.test_fraction)) if n > 1 else 0
 
 
 def _labels(values: np.ndarray, task: str, where: str) -> tuple[str, np.ndarray, int, tuple[str, ...]]:
@@ -300,61 +208,6 @@ def _table(source: str, config: PrepareConfig) -> Arrays:
     labels = table[config.label].to_numpy(zero_copy_only=False)
     task, y, outputs, classes = _labels(labels, config.task, source)
     return Arrays(Path(path).stem, task, *_split(x, y, config), outputs, classes)
-
-
-def _image_folder(root: Path, config: PrepareConfig, scratch: Path) -> Arrays:
-    try:
-        from PIL import Image
-    except ImportError:
-        raise ImportError("image folders need Pillow: pip install pillow") from None
-    splits = [root / "train", root / "test"] if (root / "train").is_dir() and (root / "test").is_dir() else [root]
-    classes = tuple(sorted(p.name for p in splits[0].iterdir() if p.is_dir()))
-    if not classes:
-        raise ValueError(f"{root} has no class folders: expected {root}/CLASS/IMAGE (or train/ and test/ above them)")
-    mode, channels = ("RGB", 3) if config.color == "rgb" else ("L", 1)
-    size = config.image_size
-
-    def listed(folder: Path) -> list[tuple[int, Path]]:
-        files = [
-            (label, p)
-            for label, name in enumerate(classes)
-            if (folder / name).is_dir()
-            for p in sorted((folder / name).iterdir())
-            if p.suffix.lower() in _IMAGE_SUFFIXES
-        ]
-        if not files:
-            raise ValueError(f"{folder} holds no images ({', '.join(sorted(_IMAGE_SUFFIXES))})")
-        return files
-
-    def load(files: list[tuple[int, Path]], name: str) -> tuple[np.ndarray, np.ndarray]:
-        """The images' pixels, resized, as uint8 (N, C, H, W) in a file mapped from disk: a quarter of float32's
-        size, and out of memory, however many images there are."""
-        pixels = np.lib.format.open_memmap(
-            scratch / f"{name}.npy", mode="w+", dtype=np.uint8, shape=(len(files), channels, size, size)
-        )
-        todo = files
-        if config.progress:  # decoding and resizing is the slow part of preparing an image folder
-            from tqdm import tqdm
-
-            todo = tqdm(files, desc=f"reading {name}", unit="image", dynamic_ncols=True)
-        for i, (_, p) in enumerate(todo):
-            try:
-                with Image.open(p) as img:
-                    a = np.asarray(img.convert(mode).resize((size, size), Image.Resampling.BILINEAR))
-            except OSError as exc:
-                raise ValueError(f"{p} is not an image Pillow can read: {exc}") from None
-            pixels[i] = a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
-        return pixels, np.array([label for label, _ in files], dtype=np.int64)
-
-    if len(splits) == 2:
-        (x_train, y_train), (x_test, y_test) = load(listed(splits[0]), "train"), load(listed(splits[1]), "test")
-    else:
-        files = listed(root)
-        order = np.random.default_rng(config.seed).permutation(len(files))
-        n_test = _test_count(len(files), config)
-        x_test, y_test = load([files[i] for i in sorted(order[:n_test])], "test")
-        x_train, y_train = load([files[i] for i in sorted(order[n_test:])], "train")
-    return Arrays(root.name, "classification", x_train, y_train, x_test, y_test, len(classes), classes)
 
 
 def _values(x: np.ndarray) -> np.ndarray:
@@ -440,9 +293,18 @@ examples:
   ps-prepare table.csv --label price --task regression --out hdfs://nn:8020/data/prices
   ps-prepare day_0.tsv.gz day_1.tsv.gz --format criteo --out s3://bucket/criteo --shards 64   click logs
   ps-prepare clicks.csv --label clicked --categorical user,item --multi-hot tags:'|' --out /data/clicks
+  ps-prepare --follow s3://bucket/logs --format criteo --out s3://bucket/live --shards 4   click logs as they land
 
 Then train from it: ps-worker --server HOST:PORT --dataset /data/digits (or the URL of its manifest.json, e.g.
 http://files/digits/manifest.json); each worker streams the shards of its rank.
+
+--follow SOURCE watches a directory or prefix (a path, s3://, hdfs://, or http(s):// with an index page) and
+prepares each file of click logs that lands there once, as it lands, into a dataset that grows: --shards and
+--test-shards count per file, --test-fraction holds out that share of each file, and the first file fixes the schema
+and the normalisation. A file is whole at once where its directory holds a _SUCCESS marker, else once its size and
+mtime (or ETag) stay the same for --settle-seconds; hidden files (.x, _x) are never taken. A damaged file, or one of
+another schema, is refused and listed in manifest.json's "rejected"; the source is never changed. The manifest lists
+each file taken, so a restarted --follow goes on where the last one stopped. docs/continuous.md tells more.
 """
 
 
@@ -458,18 +320,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "source",
-        nargs="+",
+        nargs="*",
         help="digits, synthetic, a .npz with x_train/y_train/x_test/y_test, a folder of class folders of images, "
         "or a .csv/.parquet table (path or URL); with --format criteo, Criteo day files (one or more)",
     )
     add_arguments(parser, PrepareConfig)
+    from worker.data.follow import FollowConfig
+
+    watch = parser.add_argument_group("following a source as files land in it (--follow)")
+    watch.add_argument(
+        "--follow",
+        metavar="SOURCE",
+        default="",
+        help="a directory or prefix to watch instead of sources to prepare once: each file of click logs (--format "
+        "criteo, or --categorical for CSV/Parquet tables) landing under it is prepared once, into the dataset at "
+        "--out, which grows; runs until Ctrl-C, SIGTERM or --stop-when-idle",
+    )
+    add_arguments(watch, FollowConfig)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ps-prepare."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if bool(args.follow) == bool(args.source):
+        parser.error("name the sources to prepare, or one --follow SOURCE (not both)")
+    if args.follow:
+        return _main_follow(args)
     try:
         config = from_arguments(PrepareConfig, args)
         manifest = prepare(args.source, config)
@@ -487,6 +366,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"ps-prepare: {manifest.name}: {train.samples} train samples in {len(train.shards)} shards"
         + (f", {test.samples} test samples in {len(test.shards)}" if test else "")
         + f", samples of shape {manifest.in_shape}, {manifest.task}; manifest at "
+        f"{storage.join(config.out, MANIFEST)}",
+        flush=True,
+    )
+    return 0
+
+
+def _main_follow(args: argparse.Namespace) -> int:
+    """ps-prepare --follow SOURCE: follow until idle, Ctrl-C or SIGTERM; the exit status."""
+    from worker.data.follow import FollowConfig, describe, follow
+    from worker.data.manifest import Rejected, SourceFile
+
+    def say(record: SourceFile | Rejected, manifest: Manifest | None) -> None:
+        refused = isinstance(record, Rejected)
+        print(f"ps-prepare: {describe(record, manifest)}", file=sys.stderr if refused else sys.stdout, flush=True)
+
+    def terminated(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt("SIGTERM")  # a supervisor's stop: the same clean end as Ctrl-C
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        config = from_arguments(PrepareConfig, args)
+        watch = from_arguments(FollowConfig, args)
+        if not config.out:
+            raise ValueError("say where the dataset grows: --out DIR or URL")
+        manifest = follow(args.follow, config.out, config, watch, on_file=say)
+    except KeyboardInterrupt:
+        print(
+            "ps-prepare: stopped; the manifest lists every file prepared whole, and ps-prepare --follow goes on "
+            "from there",
+            file=sys.stderr,
+        )
+        return 130
+    except (ValueError, TypeError, FileNotFoundError, ImportError, PermissionError) as exc:
+        print(f"ps-prepare: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if manifest is None:
+        print(f"ps-prepare: idle for {watch.stop_when_idle} s; no file prepared yet", flush=True)
+        return 0
+    train = manifest.splits["train"]
+    print(
+        f"ps-prepare: idle for {watch.stop_when_idle} s: {len(manifest.files)} files, {train.samples} train samples "
+        f"in {len(train.shards)} shards, {len(manifest.rejected)} files refused; manifest at "
         f"{storage.join(config.out, MANIFEST)}",
         flush=True,
     )

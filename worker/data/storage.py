@@ -1,9 +1,15 @@
 """Where prepared datasets live: a local path, file://, s3:// (s3fs), hdfs:// (pyarrow's libhdfs binding) or
-http(s):// (read only), all through fsspec, so that the writer and the reader name storage the same way."""
+http(s):// (read only), all through fsspec, so that the writer and the reader name storage the same way.
+
+Listing (`list_files`, for `ps-prepare --follow`) works on every one of them: fsspec's `find` walks a local
+directory, an object-store prefix or an HDFS directory; over http(s) it follows the links of the directory's index
+page (as `python -m http.server`, nginx's autoindex and Apache serve one), so a server that lists nothing cannot
+be followed."""
 
 from __future__ import annotations
 
 import posixpath
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,16 +66,68 @@ def read_bytes(url: str) -> bytes:
         raise FileNotFoundError(f"{url} does not exist") from None
 
 
-def write_bytes(url: str, data: bytes) -> None:
+def write_bytes(url: str, data: bytes, *, durable: bool = False) -> None:
     """Store `data` at `url` whole: a local file through a temporary file and a rename, an object store with one
-    put (an object appears whole or not at all); http(s) is read only."""
+    put (an object appears whole or not at all); http(s) is read only. `durable`: a local file is fsynced before
+    its rename (and its directory after), so that a crash of the host leaves the old file or the new one."""
     kind = scheme(url)
     if kind in ("http", "https"):
         raise ValueError(f"{url}: http(s) storage is read only; write the dataset to a path, s3:// or hdfs://")
     if kind == "file":
         local = url[len("file://") :] if url.startswith("file://") else url
         Path(local).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(local, data)
+        atomic_write(local, data, durable=durable)
         return
     fs, path = filesystem(url)
     fs.pipe_file(path, data)
+
+
+@dataclass(frozen=True)
+class Listed:
+    """A file found under a listed directory."""
+
+    path: str  # relative to the listed directory, "/"-separated
+    size: int | None  # bytes; None where the listing does not say (an http index page): ask `stat`
+    version: str  # what changes when the file does: its ETag where the storage gives one, else its mtime; or ""
+
+
+def _version(info: dict[str, Any]) -> str:
+    """A file's version from fsspec's info: an ETag (s3, most http servers), else its modification time."""
+    for key in ("ETag", "etag", "mtime", "LastModified", "last_modified", "Last-Modified", "updated", "modified"):
+        value = info.get(key)
+        if value not in (None, ""):
+            return str(value)
+    return ""
+
+
+def list_files(url: str) -> list[Listed]:
+    """Every file under the directory or prefix `url`, at any depth, in name order; none when it does not exist."""
+    fs, root = filesystem(url)
+    fs.invalidate_cache()  # s3fs and others cache listings; a follower must see what landed since the last one
+    try:
+        found = fs.find(root, withdirs=False, detail=True)
+    except NotImplementedError:
+        raise ValueError(f"{url}: {scheme(url)}:// storage cannot list a directory, so it cannot be followed") from None
+    base = fs._strip_protocol(root).rstrip("/")
+    out = []
+    for name, info in found.items():
+        path = fs._strip_protocol(name)
+        relative = path[len(base) + 1 :] if path.startswith(base + "/") else path.rsplit("/", 1)[-1]
+        size = info.get("size")
+        out.append(Listed(relative, None if size is None else int(size), _version(info)))
+    return sorted(out, key=lambda f: f.path)
+
+
+def stat(url: str) -> Listed:
+    """The size and version of the file at `url` (its `path` the URL itself); FileNotFoundError when it is gone."""
+    fs, path = filesystem(url)
+    fs.invalidate_cache()
+    info = fs.info(path)
+    size = info.get("size")
+    return Listed(url, None if size is None else int(size), _version(info))
+
+
+def last_byte(url: str, size: int) -> bytes:
+    """The last byte of the file at `url`, of `size` bytes (one range request where the server takes them)."""
+    fs, path = filesystem(url)
+    return bytes(fs.cat_file(path, start=max(0, size - 1), end=size))[-1:]
