@@ -7,6 +7,7 @@ import logging
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 
 from paramserver.config import add_arguments, from_arguments
@@ -23,6 +24,8 @@ examples:
   ps-worker --server ps-0.ps:50051 --model mlp --epochs 20 --metrics-out run.json
                                                               (in a job of several workers: run-RANK.json each)
   ps-worker --server HOST:PORT --model mypkg.models:make_net --dataset data.npz --save-model net.safetensors
+  ps-worker --server HOST:PORT --model dlrm --dataset DS --follow
+                                                              train DS's shards as ps-prepare --follow adds them
   ps-worker --server HOST:PORT --nproc 4                      one process per GPU of this host (else 4 on the CPU),
                                                               one member of the job: gradients reduced on the host
 
@@ -80,7 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminated)  # a pod's or a supervisor's stop: the same clean leave as Ctrl-C
     try:
         config = from_arguments(TrainConfig, args)
-        metrics = train(config)
+        stop = threading.Event()
+        if config.follow:  # a follow loop's stop: at its next step (the dataset shard it holds is freed), summarised
+            signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+        metrics = train(config, stop=stop)
     except KeyboardInterrupt:
         print(
             "ps-worker: interrupted; the servers keep the weights, and a new worker resumes from them",
@@ -99,8 +105,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     tested = metrics["test_accuracy"]  # None for a regression or a --train-step job: their test loss instead
     if "test_auc" in metrics:  # a click model
         result = f"test AUC {metrics['test_auc']:.4f}, test log loss {metrics['test_logloss']:.4f}"
+    elif "test_loss" not in metrics:  # a dataset with no held-out split (one that grows may have none)
+        result = "no held-out split to test on"
     else:
         result = f"test accuracy {tested:.4f}" if tested is not None else f"test loss {metrics['test_loss']:.4f}"
+    if "dataset_shards" in metrics:
+        shards = metrics["dataset_shards"]
+        result += f", {len(shards)} dataset shards trained ({', '.join(str(s['shard']) for s in shards) or 'none'})"
     print(
         f"worker {metrics['rank']}: {metrics['steps']} steps, {metrics['samples_per_second']:.0f} samples/s, "
         f"final loss {metrics['final_loss']:.4f}, {result}",

@@ -79,6 +79,7 @@ class Session:
     tls: ssl.SSLContext | None
     tls_server_name: str | None
     joined: bool = False
+    idle: bool = False  # nothing to train for now (ps-worker --follow, caught up): said in every heartbeat
     registered: Binding | None = None  # the model to re-initialise a shard with that lost it
     compressor: Compressor | None = None  # compresses pushes on the data socket (PSClient's `compress`)
     # Set by PSClient.close: a call still in flight on another thread then ends at its first failure instead of
@@ -161,7 +162,7 @@ class ShardLink:
 
     def heartbeat(self, timeout: float) -> None:
         """Renew this worker's lease (UnknownWorker once the shard evicted it)."""
-        req = ps_pb2.HeartbeatRequest(worker_id=self._session.worker_id)
+        req = ps_pb2.HeartbeatRequest(worker_id=self._session.worker_id, idle=self._session.idle)
         self.call(lambda: self.rpc.stub.Heartbeat(req, timeout=timeout))
 
     def leave(self, finished: bool) -> None:

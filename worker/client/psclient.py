@@ -29,6 +29,7 @@ from paramserver.transport import shm
 from paramserver.wire.chunks import CHUNK_BYTES, itemsize, wire_dtype
 from worker.client import model_file
 from worker.client.binding import Binding, TensorDict, Tensors, tensors_of
+from worker.client.claims import DatasetClaims
 from worker.client.compress import Compressor, Scheme
 from worker.client.connect import connect_links
 from worker.client.fanout import each, fan_out
@@ -199,6 +200,21 @@ class PSClient:
         """
         if not self._member:
             self._membership.leave(finished)
+
+    def set_idle(self, idle: bool) -> None:
+        """Say on every shard whether this worker has nothing to train for now (ps-worker --follow, caught up):
+        sync rounds stop waiting for an idle worker and SSP compares no clock of it, until it pushes again. Every
+        heartbeat from then on says it too, so a restarted shard learns it within a third of the lease."""
+        if self._session.idle != idle:
+            self._session.idle = idle
+            each(self._pool, self.links, lambda link: link.heartbeat(self._session.timeout))
+
+    def claims(self, dataset: str) -> DatasetClaims:
+        """The job's claims on the shards of a growing dataset (`dataset`: its key, `claims.dataset_key`), kept by
+        shard 0; ValueError in a host group (each dataset shard is trained by one process)."""
+        if self.group is not None:
+            raise ValueError("--follow trains each dataset shard in one process: leave --nproc at 1")
+        return DatasetClaims(self.links[0], self._session, dataset)
 
     # -- the model ---------------------------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ class StreamedDataset:
     def __init__(self, spec: str, prefetch: int = 2) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1 shard, not {prefetch}")
+        self.spec = spec
         self.manifest: Manifest = load_manifest(spec)
         self.prefetch = prefetch
         self._reader: _Reader | None = None  # the training split's, running on into the next epoch
@@ -134,6 +135,24 @@ class StreamedDataset:
 
             reader = self._reader = _Reader(self, key, epochs())
         return self._batches(reader, epoch, batch_size)
+
+    def reload(self) -> int:
+        """Read the manifest again (a dataset that grows: ps-prepare --follow replaces it whole, adding shards);
+        return the train shards it lists. A reader already running goes on with the shards it was given."""
+        self.manifest = load_manifest(self.spec)
+        return len(self.manifest.splits["train"].shards)
+
+    def shard_batches(
+        self, index: int, batch_size: int, *, seed: int
+    ) -> Generator[tuple[Batch, torch.Tensor], None, None]:
+        """(x, y) batches of train shard `index` alone, whole, in an order drawn from (seed, index) (read ahead on a
+        reader of its own); the last batch may be short."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        shard = self.manifest.splits["train"].shards[index]
+        order = np.random.default_rng([seed, index]).permutation(shard.samples)
+        reader = _Reader(self, None, iter([(0, Part(shard, order)), (0, None)]))
+        return self._pairs(self._batches(reader, 0, batch_size, own=True))
 
     def test_batches(self, batch_size: int = 1024) -> Generator[tuple[Batch, torch.Tensor], None, None]:
         """(x, y) batches of the whole test split, in order (read ahead on a reader of their own)."""

@@ -40,6 +40,22 @@ class TrainConfig:
         "prepared datasets: shards to fetch and decode ahead of the step, on a thread of their own (the worker "
         "holds about this many shards in memory)",
     )
+    follow: bool = config_field(
+        False,
+        "train a prepared dataset as it grows (ps-prepare --follow writes it): each train shard, once listed in the "
+        "manifest, is claimed by one worker of the job (the claims are kept on the servers) and trained once, in one "
+        "pass; caught up, the worker waits, heartbeating, and reads the manifest again every --follow-poll-seconds. "
+        "A worker that dies or is stopped holding a shard frees it, and another trains it again from its start. "
+        "SIGTERM stops the worker at its next step. Ignores --epochs and --steps",
+    )
+    follow_poll_seconds: float = config_field(
+        2.0, "with --follow: seconds between readings of the manifest while caught up (and between claims)"
+    )
+    follow_stop_when_idle: float = config_field(
+        0.0,
+        "with --follow: leave the job (finished) once caught up for this many seconds; 0 (default): wait for new "
+        "shards until stopped",
+    )
     epochs: int = config_field(10, "passes over this worker's part of the training data")
     steps: int | None = config_field(None, "train exactly this many steps instead of --epochs")
     batch_size: int = config_field(
@@ -220,6 +236,8 @@ class TrainConfig:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
         if self.embedding_dim < 1 or self.table_size < 0 or self.table_capacity < 0:
             raise ValueError("embedding-dim must be at least 1, and table-size and table-capacity 0 or more")
+        if not self.follow_poll_seconds > 0 or self.follow_stop_when_idle < 0:
+            raise ValueError("follow-poll-seconds must be positive and follow-stop-when-idle 0 or more")
         check_loss_spec(self.loss)
         if self.train_step is not None:
             check_step_spec(self.train_step)
