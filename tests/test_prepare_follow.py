@@ -435,3 +435,19 @@ def test_storage_that_fails_is_tried_again_and_no_file_is_skipped(
     line = next(r.getMessage() for r in caplog.records if "trying again" in r.getMessage())
     assert "NotADirectoryError" in line and "(try 1)" in line and "\n" not in line
     _check_whole(out, {"day_0.tsv": (0, 100)})
+
+
+def test_a_file_changed_after_it_was_taken_is_said_once_and_not_taken_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    src, out = tmp_path / "logs", tmp_path / "live"
+    src.mkdir()
+    _land(src / "day_0.tsv", _criteo(0, 100))
+    first = follow(str(src), str(out), CRITEO, FAST)
+    with open(src / "day_0.tsv", "a") as f:
+        f.write(_criteo(9, 5))
+    caplog.set_level("WARNING", logger="worker.data.follow")
+    again = follow(str(src), str(out), CRITEO, FAST)
+    assert first is not None and again is not None and again.files == first.files and again.splits == first.splits
+    said = [r.getMessage() for r in caplog.records if "changed after it was prepared" in r.getMessage()]
+    assert len(said) == 1 and "day_0.tsv" in said[0]

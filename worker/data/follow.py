@@ -132,7 +132,7 @@ class _Follower:
             raise ValueError(f"--out {out}: http(s) storage is read only; follow into a path, s3:// or hdfs://")
         self.restored = False  # whether the dataset so far was read (the first step, tried again as any other)
         self.manifest: Manifest | None = None
-        self.taken: set[str] = set()
+        self.taken: dict[str, int] = {}  # the files the dataset lists, and their sizes then
         self.rejected: dict[str, Rejected] = {}
         self.seen: dict[str, _Seen] = {}
         self.warned: set[str] = set()  # taken files seen changed since, said once each
@@ -168,7 +168,7 @@ class _Follower:
 
     def _restore(self) -> None:
         self.manifest = _restore(self.source, self.out, self.config)
-        self.taken = {f.name for f in self.manifest.files} if self.manifest else set()
+        self.taken = {f.name: f.size for f in self.manifest.files} if self.manifest else {}
         self.rejected = {r.name: r for r in self.manifest.rejected} if self.manifest else {}
         self.restored = True
 
@@ -209,15 +209,15 @@ class _Follower:
 
     def _changed_after(self, entry: storage.Listed) -> None:
         """Say once that a file taken has changed since: it is not prepared again."""
-        record = next(f for f in self.manifest.files if f.name == entry.path) if self.manifest else None
-        if record is None or entry.path in self.warned or entry.size in (None, record.size):
+        size = self.taken[entry.path]
+        if entry.path in self.warned or entry.size in (None, size):
             return
         self.warned.add(entry.path)
         log.warning(
             "ps-prepare --follow: %s changed after it was prepared (%d bytes then, %d now); it is not prepared "
             "again (write a new file instead)",
             entry.path,
-            record.size,
+            size,
             entry.size,
         )
 
@@ -256,7 +256,7 @@ class _Follower:
         )
         self.rejected.pop(name, None)
         self._commit(_grown(self.manifest, part, record, tuple(self.rejected.values()), self.source))
-        self.taken.add(name)
+        self.taken[name] = record.size
         del self.seen[name]
         self._tell(record)
 

@@ -302,9 +302,10 @@ http://files/digits/manifest.json); each worker streams the shards of its rank.
 prepares each file of click logs that lands there once, as it lands, into a dataset that grows: --shards and
 --test-shards count per file, --test-fraction holds out that share of each file, and the first file fixes the schema
 and the normalisation. A file is whole at once where its directory holds a _SUCCESS marker, else once its size and
-mtime (or ETag) stay the same for --settle-seconds; hidden files (.x, _x) are never taken. A damaged file, or one of
-another schema, is refused and listed in manifest.json's "rejected"; the source is never changed. The manifest lists
-each file taken, so a restarted --follow goes on where the last one stopped. docs/continuous.md tells more.
+mtime (or ETag) stay the same for --settle-seconds (a plain-text file must also end with a newline); hidden files
+(.x, _x) are never taken. A damaged file, or one of another schema, is refused and listed in manifest.json's
+"rejected"; the source is never changed. The manifest lists each file taken, so a restarted --follow goes on where
+the last one stopped. docs/continuous.md tells more.
 """
 
 
