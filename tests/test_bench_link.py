@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from test_bench_smoke import LIMIT_S, run_quick  # noqa: E402  (pytest puts tests/ on sys.path)
+from support.bench import LIMIT_S, run_quick  # noqa: E402  (pytest puts tests/ on sys.path)
 
 from bench.link import unavailable  # noqa: E402
 

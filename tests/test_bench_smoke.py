@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support.bench import LIMIT_S, run_quick
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = (
@@ -37,32 +37,7 @@ SECTIONS = (
 # every section that runs on any machine (sparse_peer needs make bench-peers; link, compress and hosts, network
 # namespaces)
 SMOKE = tuple(s for s in SECTIONS if s not in ("sparse_peer", "link", "compress", "hosts"))
-LIMIT_S = 1200  # pytest-timeout's limit for the run: for a machine many times slower than usual, never a verdict
 pytestmark = pytest.mark.timeout(LIMIT_S)  # whichever test runs the module's quick run first
-
-
-def run_quick(out: Path, sections: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
-    """Run `bench/run.py --quick --only SECTIONS --out OUT` to its end, however long it takes; stop it (and so
-    every shard and worker it started) if the test is interrupted or timed out meanwhile."""
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--only", ",".join(sections), "--out", str(out)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        stdout, stderr = proc.communicate()
-    except BaseException:
-        # SIGTERM first: the suite then stops every shard and worker it started (SIGKILL would orphan them).
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="module")

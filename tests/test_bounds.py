@@ -22,8 +22,8 @@ import pytest
 import torch
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
+from support.messages import init_messages
 from test_data_socket import _attach, _bell, _port, _session, _ticket
-from test_service_errors import init_messages
 from test_shared_memory import OK_BYTE, Raw, _error
 
 from paramserver.config import ServerConfig

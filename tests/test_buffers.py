@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_end_to_end import _in_threads
+from support.jobs import in_threads
 from torch import nn
 
 from paramserver import LocalCluster, ServerConfig
@@ -235,7 +235,7 @@ def test_sync_workers_pull_the_mean_of_their_buffers_and_a_new_worker_gets_them(
 
         return run
 
-    _in_threads([worker(0), worker(1)], timeout=120.0)
+    in_threads([worker(0), worker(1)], timeout=120.0)
 
     # Parameters first, then the persistent buffers, marked as such; the non-persistent one stays home.
     assert [(s.name, s.buffer) for s in specs] == [
@@ -324,7 +324,7 @@ def test_a_worker_that_joins_mid_job_evaluates_with_the_jobs_statistics(
 
         return run
 
-    _in_threads([worker(0), worker(1)], timeout=120.0)
+    in_threads([worker(0), worker(1)], timeout=120.0)
     accuracy = metrics[0]["test_accuracy"]
     assert metrics[1]["test_accuracy"] == accuracy > 0.9  # 0.98 here
 

@@ -25,8 +25,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from support.jobs import start_ps_server, stop_job
 from test_data_socket import MALFORMED, _error, _f32, _ok, _session
-from test_end_to_end import _start_ps_server, _stop_job
 from test_shared_memory import CALL_TIMEOUT, Raw
 
 from paramserver.config import ServerConfig
@@ -252,7 +252,7 @@ def test_compression_applies_on_the_data_socket_only(
 
 
 def test_two_ps_workers_with_compressed_pushes_reach_the_accuracy_target(tmp_path: Path) -> None:
-    server, address = _start_ps_server("--shards", "2", "--mode", "sync", "--workers", "2")
+    server, address = start_ps_server("--shards", "2", "--mode", "sync", "--workers", "2")
     workers: list[subprocess.Popen[bytes]] = []
     try:
         for scheme in ("topk:0.01", "powersgd:2"):
@@ -268,7 +268,7 @@ def test_two_ps_workers_with_compressed_pushes_reach_the_accuracy_target(tmp_pat
             out, err = w.communicate(timeout=300)
             assert w.returncode == 0, err.decode()[-3000:]
     finally:
-        _stop_job(server, workers)
+        stop_job(server, workers)
     metrics = [json.loads((tmp_path / f"w-{rank}.json").read_text()) for rank in range(2)]  # each rank's
     assert sorted(m["config"]["compress"] for m in metrics) == ["powersgd:2", "topk:0.01"]
     for m in metrics:

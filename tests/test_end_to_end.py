@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.jobs import in_threads, shard_versions, start_ps_server, stop_job
 
 from paramserver import LocalCluster, ServerConfig
 from paramserver.placement import SLICE_ELEMENTS
 from paramserver.server.cluster import PORT_LINE, READY_LINE
 from paramserver.shard.optimizers import make_optimizer
-from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from worker import PSClient
 from worker.models.builtin import build_model
 
@@ -31,25 +29,6 @@ def _mlp(seed: int) -> torch.nn.Module:
     # The first layer has more than SLICE_ELEMENTS weights, so it is cut across both shards.
     assert 1024 * 1100 > SLICE_ELEMENTS
     return torch.nn.Sequential(torch.nn.Linear(1024, 1100), torch.nn.Tanh(), torch.nn.Linear(1100, 10))
-
-
-def _in_threads(fns: list[Callable[[], None]], timeout: float = 60.0) -> None:
-    errors: list[BaseException] = []
-
-    def run(fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(fn,)) for fn in fns]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "a worker thread hung"
-    if errors:
-        raise errors[0]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam", "adamw", "adagrad"])
@@ -81,7 +60,7 @@ def test_sync_two_workers_equal_local_training_on_the_combined_batch(ps_cluster_
         return run
 
     finals: dict[int, dict[str, torch.Tensor]] = {}
-    _in_threads([worker(0), worker(1)])
+    in_threads([worker(0), worker(1)])
 
     def combined_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, split: bool) -> torch.Tensor:
         if not split:
@@ -236,46 +215,11 @@ def test_a_new_worker_resumes_from_the_servers_state(ps_cluster_factory):
         assert second.rank == 0
 
 
-def _start_ps_server(*args: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "paramserver.server.cli", "--port", "0", "--log-level", "WARNING", *args],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("workers: ps-worker --server "):
-            return proc, line.split()[-1]
-    raise AssertionError(f"ps-server exited with {proc.wait()} before printing its address")
-
-
-def _stop_job(server: subprocess.Popen[str], workers: list[subprocess.Popen[bytes]]) -> None:
-    """Kill the workers still running, then stop ps-server, which must exit 0."""
-    for w in workers:
-        if w.poll() is None:
-            w.kill()
-            w.wait()
-    server.send_signal(signal.SIGTERM)
-    assert server.wait(timeout=30) == 0
-
-
-def _shard_versions(address: str) -> list[int]:
-    """Every shard's version, as its Topology says (asked of each shard directly)."""
-    with PSClient(address, join=False) as reader:
-        shards = list(reader.addresses)
-    versions = []
-    for shard in shards:
-        with grpc.insecure_channel(shard) as channel:
-            topology = ps_pb2_grpc.ParameterServerStub(channel).GetTopology(ps_pb2.GetTopologyRequest(), timeout=30)
-            versions.append(int(topology.version))
-    return versions
-
-
 # sync, and async with overlap: make test stays under 6 minutes with the replica and dataset tests. ssp's policy is
 # covered in-process (test_staleness, test_consistent_reads), and `make demo MODE=ssp` trains with it.
 @pytest.mark.parametrize(("mode", "overlap"), [("sync", False), ("async", True)])
 def test_ps_server_and_two_ps_workers_reach_the_accuracy_target(tmp_path, mode, overlap):
-    server, address = _start_ps_server("--shards", "2", "--mode", mode, "--workers", "2")
+    server, address = start_ps_server("--shards", "2", "--mode", mode, "--workers", "2")
     workers: list[subprocess.Popen[bytes]] = []
     try:
         for i in range(2):
@@ -300,9 +244,9 @@ def test_ps_server_and_two_ps_workers_reach_the_accuracy_target(tmp_path, mode, 
         for w, (out, err) in zip(workers, outputs, strict=True):
             assert w.returncode == 0, err.decode()
             assert b"test accuracy" in out
-        versions = _shard_versions(address)  # what every shard applied, once both workers are done
+        versions = shard_versions(address)  # what every shard applied, once both workers are done
     finally:
-        _stop_job(server, workers)
+        stop_job(server, workers)
     metrics = [json.loads((tmp_path / f"w-{rank}.json").read_text()) for rank in range(2)]
     assert [m["rank"] for m in metrics] == [0, 1] and not (tmp_path / "w.json").exists()
     for m in metrics:

@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 import torch
+from support.jobs import push_each
+from support.references import local_adam
 
 from paramserver import LocalCluster, ServerConfig
 from paramserver.placement import TensorSpec, place
@@ -236,29 +238,6 @@ def _model_and_gradients(steps: int) -> tuple[dict[str, torch.Tensor], list[dict
     return model, grads
 
 
-def _local_adam(
-    init: Mapping[str, torch.Tensor], grads: list[dict[str, torch.Tensor]], lr: float
-) -> dict[str, torch.Tensor]:
-    """Uninterrupted local torch Adam over the same gradients: the reference for the server's arithmetic."""
-    params = {k: v.clone().requires_grad_(True) for k, v in init.items()}
-    opt = torch.optim.Adam(list(params.values()), lr=lr)
-    for g in grads:
-        for k, p in params.items():
-            p.grad = g[k].clone()
-        opt.step()
-    return {k: p.detach() for k, p in params.items()}
-
-
-def _train(address: str, model: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]]) -> list[int]:
-    """Register `model` (or adopt the servers'), push each gradient and pull after it; return the versions."""
-    with PSClient(address) as client:
-        client.register(model)
-        for g in grads:
-            client.push(g)
-            client.pull(model)
-        return list(client.versions)
-
-
 def _stop_cleanly(cluster: LocalCluster) -> None:
     """SIGTERM every shard (LocalCluster.stop) and check each exited with status 0."""
     cluster.stop()
@@ -438,7 +417,7 @@ def test_sigterm_checkpoints_and_a_new_cluster_resumes_with_identical_state(tmp_
     # 1. Train 20 steps, then SIGTERM every shard: each writes one checkpoint, at the version last pulled.
     model = {k: v.clone() for k, v in init.items()}
     with LocalCluster(config, shards=2, processes=True) as cluster:
-        versions = _train(cluster.address, model, grads[:20])
+        versions = push_each(cluster.address, model, grads[:20])
         _stop_cleanly(cluster)
     assert versions == [20, 20]
     first = []
@@ -450,7 +429,7 @@ def test_sigterm_checkpoints_and_a_new_cluster_resumes_with_identical_state(tmp_
         assert snap.version == 20 and snap.optimizer == "adam"
         assert torch.equal(snap.params, _shard_values(model, 2, i)), "the checkpoint holds the weights pulled"
         first.append(snap)
-    reference = _local_adam(init, grads[:20], config.lr)
+    reference = local_adam(init, grads[:20], config.lr)
     for k in model:
         torch.testing.assert_close(model[k], reference[k], atol=1e-6, rtol=0)
 
@@ -474,9 +453,9 @@ def test_sigterm_checkpoints_and_a_new_cluster_resumes_with_identical_state(tmp_
     # 3. One more step after the restore moves the weights exactly as an uninterrupted Adam would.
     resumed = {k: torch.zeros_like(v) for k, v in init.items()}
     with LocalCluster(config, shards=2, processes=True) as cluster:
-        assert _train(cluster.address, resumed, grads[20:]) == [21, 21]
+        assert push_each(cluster.address, resumed, grads[20:]) == [21, 21]
         _stop_cleanly(cluster)
-    reference = _local_adam(init, grads, config.lr)
+    reference = local_adam(init, grads, config.lr)
     for k in resumed:
         torch.testing.assert_close(resumed[k], reference[k], atol=1e-6, rtol=0)
         assert not torch.equal(resumed[k], model[k]), "the step after the restore must move the weights"
@@ -491,7 +470,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(tmp_path, cap
     init, grads = _model_and_gradients(13)
     model = {k: v.clone() for k, v in init.items()}
     with LocalCluster(config, shards=2, processes=True) as cluster:
-        assert _train(cluster.address, model, grads[:12]) == [12, 12]
+        assert push_each(cluster.address, model, grads[:12]) == [12, 12]
         _stop_cleanly(cluster)
     files = checkpoint.list_checkpoints(ckpt, 0)
     assert [checkpoint.load(p).version for p in files] == [12, 10], files  # the final one and the one before

@@ -400,11 +400,11 @@ def test_a_host_group_on_the_device_ends_where_the_cpu_group_does(tmp_path: Path
     import sys
 
     from safetensors.torch import load_file
-    from test_end_to_end import _start_ps_server, _stop_job
+    from support.jobs import start_ps_server, stop_job
 
     saved = {}
     for device in ("cpu", DEVICE):
-        server, address = _start_ps_server("--shards", "2", "--mode", "sync", "--workers", "1", "--lr", "0.05")
+        server, address = start_ps_server("--shards", "2", "--mode", "sync", "--workers", "1", "--lr", "0.05")
         launcher = None
         try:
             path = tmp_path / f"{device.replace(':', '-')}.safetensors"
@@ -416,7 +416,7 @@ def test_a_host_group_on_the_device_ends_where_the_cpu_group_does(tmp_path: Path
             _, err = launcher.communicate(timeout=240)
             assert launcher.returncode == 0, err.decode()[-3000:]
         finally:
-            _stop_job(server, [launcher] if launcher is not None else [])
+            stop_job(server, [launcher] if launcher is not None else [])
         saved[device] = load_file(path)
     assert saved["cpu"].keys() == saved[DEVICE].keys()
     for key, want in saved["cpu"].items():

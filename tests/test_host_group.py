@@ -22,7 +22,7 @@ import pytest
 import torch
 from logwatch import wait_for
 from safetensors.torch import load_file
-from test_end_to_end import _shard_versions, _start_ps_server, _stop_job
+from support.jobs import shard_versions, start_ps_server, stop_job
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,7 +33,7 @@ def _ps_worker(address: str, *args: str) -> subprocess.Popen[bytes]:
 
 
 def _train(tmp_path: Path, name: str, workers: int, *args: str) -> dict[str, torch.Tensor]:
-    server, address = _start_ps_server("--shards", "2", "--mode", "sync", "--workers", str(workers), "--lr", "0.05")
+    server, address = start_ps_server("--shards", "2", "--mode", "sync", "--workers", str(workers), "--lr", "0.05")
     launcher = None
     try:
         launcher = _ps_worker(
@@ -44,7 +44,7 @@ def _train(tmp_path: Path, name: str, workers: int, *args: str) -> dict[str, tor
         _, err = launcher.communicate(timeout=240)
         assert launcher.returncode == 0, err.decode()[-3000:]
     finally:
-        _stop_job(server, [launcher] if launcher is not None else [])
+        stop_job(server, [launcher] if launcher is not None else [])
     saved = tmp_path / f"{name}.safetensors"  # a group's model: its first process's
     return load_file(saved if saved.exists() else tmp_path / f"{name}-0.safetensors")  # separate workers' numbered
 
@@ -77,20 +77,20 @@ def _local_rank(pid: int) -> int:
 
 
 def test_a_dead_process_stops_its_group_and_a_new_group_resumes(tmp_path: Path) -> None:
-    server, address = _start_ps_server("--shards", "2", "--mode", "sync", "--workers", "1")
+    server, address = start_ps_server("--shards", "2", "--mode", "sync", "--workers", "1")
     launchers: list[subprocess.Popen[bytes]] = []
     try:
         launchers.append(_ps_worker(address, "--nproc", "2", "--epochs", "200"))
-        wait_for(lambda: min(_shard_versions(address)) >= 20 or None, 120, "the group to train 20 steps", 0.2)
+        wait_for(lambda: min(shard_versions(address)) >= 20 or None, 120, "the group to train 20 steps", 0.2)
         members = [c for c in _children(launchers[0].pid) if _local_rank(c) == 1]
         assert len(members) == 1, members
         os.kill(members[0], signal.SIGKILL)
         _, err = launchers[0].communicate(timeout=60)
         assert launchers[0].returncode != 0
         assert b"is gone" in err, err.decode()[-3000:]
-        stopped = min(_shard_versions(address))
+        stopped = min(shard_versions(address))
         time.sleep(1.0)
-        assert min(_shard_versions(address)) == stopped  # nobody trains
+        assert min(shard_versions(address)) == stopped  # nobody trains
         # The host left the job: a new group joins at once (a full job would wait) and trains on from there.
         launchers.append(_ps_worker(address, "--nproc", "2", "--steps", "5", "--metrics-out", str(tmp_path / "m.json")))
         _, err = launchers[1].communicate(timeout=120)
@@ -98,4 +98,4 @@ def test_a_dead_process_stops_its_group_and_a_new_group_resumes(tmp_path: Path) 
         resumed = json.loads((tmp_path / "m-0.json").read_text())
         assert resumed["server_version"] >= stopped
     finally:
-        _stop_job(server, launchers)
+        stop_job(server, launchers)

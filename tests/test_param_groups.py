@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_schedules import torch_scheduler
+from support.references import torch_scheduler
 
 from paramserver.config import ServerConfig, from_arguments
 from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_faults import _local_adam, _train
+from support.jobs import push_each
+from support.references import local_adam
 from torch import nn
 
 from paramserver.config import ServerConfig
@@ -144,7 +145,7 @@ def _stopped_set(
     init, grads = _model_and_gradients(steps + 1)
     model = {k: v.clone() for k, v in init.items()}
     cluster = factory(_config(directory), shards)
-    assert _train(cluster.address, model, grads[:steps]) == [steps] * shards
+    assert push_each(cluster.address, model, grads[:steps]) == [steps] * shards
     cluster.stop()
     return init, grads, model
 
@@ -167,11 +168,11 @@ def test_a_stopped_three_shard_set_restores_onto_two_shards(
 
     fresh = {k: torch.zeros_like(v) for k, v in init.items()}
     cluster = ps_cluster_factory(_config(dst), 2)
-    assert _train(cluster.address, fresh, []) == [6, 6]
+    assert push_each(cluster.address, fresh, []) == [6, 6]
     for k in model:
         assert torch.equal(fresh[k], model[k]), k
-    assert _train(cluster.address, fresh, grads[6:]) == [7, 7]
-    expected = _local_adam(init, grads, 0.01)
+    assert push_each(cluster.address, fresh, grads[6:]) == [7, 7]
+    expected = local_adam(init, grads, 0.01)
     for k in fresh:
         torch.testing.assert_close(fresh[k], expected[k], atol=1e-6, rtol=0)
         assert not torch.equal(fresh[k], model[k]), "the step after the reshard moves the weights"

@@ -8,29 +8,13 @@ from typing import Any
 
 import pytest
 import torch
+from support.references import torch_scheduler
 
 from paramserver.config import ServerConfig
 from paramserver.server.cluster import LocalCluster
 from worker import PSClient
 
 LR = 0.1
-
-
-def torch_scheduler(opt: torch.optim.Optimizer, config: ServerConfig) -> Any:
-    """torch's scheduler of the job's --lr-schedule (and warmup) over `opt`: what the shards' closed forms equal."""
-    sched = torch.optim.lr_scheduler
-    main: Any = {
-        "constant": lambda: sched.ConstantLR(opt, factor=1.0, total_iters=0),
-        "step": lambda: sched.StepLR(opt, step_size=config.step_every, gamma=config.gamma),
-        "cosine": lambda: sched.CosineAnnealingLR(opt, T_max=config.decay_versions, eta_min=config.min_lr),
-        "linear": lambda: sched.LinearLR(
-            opt, start_factor=1.0, end_factor=config.min_lr / config.lr, total_iters=config.decay_versions
-        ),
-    }[config.lr_schedule]
-    if not config.warmup_versions:
-        return main()
-    warmup = sched.LinearLR(opt, start_factor=config.warmup_start_factor, total_iters=config.warmup_versions)
-    return sched.SequentialLR(opt, [warmup, main()], milestones=[config.warmup_versions])
 
 
 def _torch_rates(config: ServerConfig, steps: int) -> list[float]:

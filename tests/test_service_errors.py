@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -20,6 +21,7 @@ import pytest
 import torch
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
 from google.protobuf.message import Message
+from support.messages import chunk, init_messages
 
 from paramserver.config import ServerConfig
 from paramserver.errors import (
@@ -73,34 +75,9 @@ def _values(n: int, fill: float | None = None) -> np.ndarray:
     return _rng.standard_normal(n).astype("<f4")
 
 
-def _chunk(piece: int, offset: int, data: bytes) -> ps_pb2.Chunk:
-    return ps_pb2.Chunk(piece=piece, offset=offset, data=data)
-
-
-def _proto_specs(specs: Sequence[TensorSpec]) -> list[ps_pb2.TensorSpec]:
-    return [ps_pb2.TensorSpec(name=s.name, shape=s.shape) for s in specs]
-
-
-def init_messages(
-    specs: Sequence[TensorSpec] = SPECS,
-    *,
-    worker_id: str = WORKER,
-    num_shards: int = 1,
-    digest: str | None = None,
-    chunks: Sequence[ps_pb2.Chunk] | None = None,
-) -> list[ps_pb2.InitMessage]:
-    """A correct Init stream of shard 0 for `specs` (random values), with any part replaced."""
-    placement = place(specs, num_shards)
-    header = ps_pb2.InitHeader(
-        worker_id=worker_id,
-        specs=_proto_specs(specs),
-        num_shards=num_shards,
-        model_digest=placement.digest if digest is None else digest,
-        dtype=ps_pb2.FLOAT32,
-    )
-    if chunks is None:
-        chunks = [_chunk(k, 0, _values(p.length).tobytes()) for k, p in enumerate(placement.shards[0])]
-    return [ps_pb2.InitMessage(header=header)] + [ps_pb2.InitMessage(chunk=c) for c in chunks]
+def _init(specs: Sequence[TensorSpec] = SPECS, **changes: Any) -> list[ps_pb2.InitMessage]:
+    """A correct Init stream of this module's job (WORKER, SPECS unless given), with any part replaced."""
+    return init_messages(specs, **{"worker_id": WORKER, **changes})
 
 
 @dataclass
@@ -134,7 +111,7 @@ class Live:
 
     def raw(self, piece: int, offset: int, data: bytes) -> ps_pb2.PushMessage:
         """A chunk with exactly these bytes."""
-        return ps_pb2.PushMessage(chunk=_chunk(piece, offset, data))
+        return ps_pb2.PushMessage(chunk=chunk(piece, offset, data))
 
     def full(self) -> list[ps_pb2.PushMessage]:
         """Chunks covering every piece of the shard exactly once (a valid gradient)."""
@@ -186,7 +163,7 @@ def fresh(ps_cluster_factory: Callable[..., LocalCluster]) -> Iterator[Live]:
 @pytest.fixture
 def live(fresh: Live) -> Live:
     """The shard initialised with SPECS and one round applied, so Adam's state exists; at version 1."""
-    fresh.stub.Init(iter(init_messages()), timeout=CALL_TIMEOUT)
+    fresh.stub.Init(iter(_init()), timeout=CALL_TIMEOUT)
     reply = fresh.push([fresh.header(step=1), *fresh.full()])
     assert (reply.version, reply.applied) == (1, True)
     assert fresh.shard.model.optimizer.state, "Adam's state should exist after one step"
@@ -306,7 +283,7 @@ CASES = [
     ),
     pytest.param(
         Case(
-            lambda s: s.stub.Init(iter(init_messages(OTHER_SPECS)), timeout=CALL_TIMEOUT),
+            lambda s: s.stub.Init(iter(_init(OTHER_SPECS)), timeout=CALL_TIMEOUT),
             grpc.StatusCode.FAILED_PRECONDITION,
             ("another model",),
         ),
@@ -314,7 +291,7 @@ CASES = [
     ),
     pytest.param(
         Case(
-            lambda s: s.stub.Init(iter(init_messages()), timeout=CALL_TIMEOUT),
+            lambda s: s.stub.Init(iter(_init()), timeout=CALL_TIMEOUT),
             grpc.StatusCode.ALREADY_EXISTS,
             ("already holds this model",),
         ),
@@ -405,7 +382,7 @@ def test_unparsable_message_after_complete_init_leaves_shard_uninitialised(fresh
     init = _raw_stream(fresh.channel, INIT_METHOD, ps_pb2.InitResponse)
     try:
         with pytest.raises(grpc.RpcError) as info:
-            init(iter([*(m.SerializeToString() for m in init_messages()), GARBAGE]), timeout=CALL_TIMEOUT)
+            init(iter([*(m.SerializeToString() for m in _init()), GARBAGE]), timeout=CALL_TIMEOUT)
 
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
         assert "not a valid protobuf message" in info.value.details()
@@ -608,26 +585,22 @@ def test_join_beyond_worker_count_is_resource_exhausted(fresh: Live) -> None:
     assert reply.rank == 0
 
 
-_WEIGHT_ONLY = [_chunk(PW, 0, _values(12).tobytes())]
-_NAN_WEIGHT = [_chunk(PW, 0, _values(12, float("nan")).tobytes()), _chunk(PB, 0, _values(3).tobytes())]
+_WEIGHT_ONLY = [chunk(PW, 0, _values(12).tobytes())]
+_NAN_WEIGHT = [chunk(PW, 0, _values(12, float("nan")).tobytes()), chunk(PB, 0, _values(3).tobytes())]
 
 
 @pytest.mark.parametrize(
     ("messages", "code", "pattern"),
     [
-        pytest.param(lambda: init_messages(chunks=_WEIGHT_ONLY), INVALID, "fc.bias.*truncated", id="truncated"),
-        pytest.param(lambda: init_messages(chunks=_NAN_WEIGHT), INVALID, "fc.weight.*NaN", id="nan"),
-        pytest.param(lambda: init_messages()[1:], INVALID, "must start with its header", id="chunk-before-header"),
-        pytest.param(lambda: init_messages(()), INVALID, "no tensors", id="no-tensors"),
+        pytest.param(lambda: _init(chunks=_WEIGHT_ONLY), INVALID, "fc.bias.*truncated", id="truncated"),
+        pytest.param(lambda: _init(chunks=_NAN_WEIGHT), INVALID, "fc.weight.*NaN", id="nan"),
+        pytest.param(lambda: _init()[1:], INVALID, "must start with its header", id="chunk-before-header"),
+        pytest.param(lambda: _init(()), INVALID, "no tensors", id="no-tensors"),
+        pytest.param(lambda: _init(worker_id="stranger"), grpc.StatusCode.ABORTED, "'stranger'", id="unknown-worker"),
         pytest.param(
-            lambda: init_messages(worker_id="stranger"), grpc.StatusCode.ABORTED, "'stranger'", id="unknown-worker"
+            lambda: _init(num_shards=2), grpc.StatusCode.FAILED_PRECONDITION, "2 shards", id="wrong-shard-count"
         ),
-        pytest.param(
-            lambda: init_messages(num_shards=2), grpc.StatusCode.FAILED_PRECONDITION, "2 shards", id="wrong-shard-count"
-        ),
-        pytest.param(
-            lambda: init_messages(digest="0" * 64), grpc.StatusCode.FAILED_PRECONDITION, "digest", id="wrong-digest"
-        ),
+        pytest.param(lambda: _init(digest="0" * 64), grpc.StatusCode.FAILED_PRECONDITION, "digest", id="wrong-digest"),
     ],
 )
 def test_bad_init_leaves_shard_uninitialised(
@@ -639,7 +612,7 @@ def test_bad_init_leaves_shard_uninitialised(
 
     assert fresh.shard.state_bytes() == before
     assert fresh.shard.model is None
-    assert fresh.stub.Init(iter(init_messages()), timeout=CALL_TIMEOUT).version == 0
+    assert fresh.stub.Init(iter(_init()), timeout=CALL_TIMEOUT).version == 0
 
 
 def test_init_over_model_limit_is_resource_exhausted(ps_cluster_factory: Callable[..., LocalCluster]) -> None:
@@ -648,7 +621,7 @@ def test_init_over_model_limit_is_resource_exhausted(ps_cluster_factory: Callabl
         stub = ps_pb2_grpc.ParameterServerStub(channel)
         stub.Join(ps_pb2.JoinRequest(worker_id=WORKER, job_name=JOB), timeout=CALL_TIMEOUT, wait_for_ready=True)
         _assert_refused(
-            lambda: stub.Init(iter(init_messages()), timeout=CALL_TIMEOUT),
+            lambda: stub.Init(iter(_init()), timeout=CALL_TIMEOUT),
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             "60 bytes",
             "max_model_bytes",
