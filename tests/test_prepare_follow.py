@@ -362,12 +362,22 @@ def test_stop_when_idle_and_sigterm_end_the_command_cleanly(tmp_path: Path, proc
         _cli(src, out, "--settle-seconds", "0"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     procs.append(proc)
+    printed: list[str] = []
+
+    def pump() -> None:  # the progress lines as they come (a line is printed just after its manifest is written)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            printed.append(line)
+
+    threading.Thread(target=pump, name="follow-stdout", daemon=True).start()
     _land(src / "day_0.tsv", _criteo(0, 100))
-    _wait(lambda: _taken(out) == ["day_0.tsv"], "the first file taken")
+    _wait(lambda: any("day_0.tsv: landed" in line for line in printed), "the first file's progress line")
+    assert "80 train samples in 2 shards" in printed[0] and _taken(out) == ["day_0.tsv"]
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=60)
+    proc.wait(timeout=60)
+    assert proc.stderr is not None
+    stderr = proc.stderr.read()
     assert proc.returncode == 130, stderr
-    assert "day_0.tsv: landed" in stdout and "80 train samples in 2 shards" in stdout
     assert "stopped; the manifest lists every file prepared whole" in stderr
     _check_whole(out, {"day_0.tsv": (0, 100)})
     helped = subprocess.run(
