@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from logwatch import wait_for
+from support.waiting import wait_for
 
 from paramserver.config import ServerConfig
 from paramserver.server.cluster import LocalCluster

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from logwatch import wait_for
 from safetensors.torch import load_file
 from support.jobs import shard_versions, start_ps_server, stop_job
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from logwatch import log_events, wait_for
+from support.waiting import log_events, wait_for
 
 T = TypeVar("T")
 

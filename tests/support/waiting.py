@@ -1,4 +1,4 @@
-"""What the multi-host tests share: waiting for a condition, and the lines of a server's log by time."""
+"""Waiting for a condition instead of a fixed time, and the lines of a server's log by time."""
 
 from __future__ import annotations
 
