@@ -55,6 +55,7 @@ from bench import (  # noqa: E402
     sparse_many,
     sparse_peer,
     stream,
+    third_party,
     training,
     transport,
 )
@@ -76,6 +77,7 @@ SECTIONS = {
     "overlap_backward": overlap_backward.run,
     "hosts": hosts.run,
     "stream": stream.run,
+    "third_party": third_party.run,
 }
 DEFAULT_OUT = ROOT / "bench" / "results"
 # The page whose summary table a full run rewrites, between report_summary's markers.

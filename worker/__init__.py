@@ -1,7 +1,8 @@
 """The worker side of paramserver: `PSClient` to talk to the shards, `Overlap` to exchange in the background
 while the next step computes, `SparseEmbedding` for embedding tables held by the shards, and the `ps-worker`
 training loop. For a model and a loop written for plain torch: `make_sparse` (its embeddings onto the shards),
-`PSOptimizer` (a torch.optim.Optimizer whose step is an exchange), `PSClient.save` and `load` (the trained model,
+`PSOptimizer` (a torch.optim.Optimizer whose step is an exchange), `prefetching` (each batch's rows brought by the
+exchange before it), `PSClient.save` and `load` (the trained model,
 tables included, in one safetensors file, served without servers); `ServingClient` and `serve` read a model from
 serving copies that follow training (ps-serve).
 
@@ -20,10 +21,22 @@ if TYPE_CHECKING:
     from worker.client.serving import ServingClient, serve
     from worker.client.sparse import SparseEmbedding
     from worker.models.convert import make_sparse
+    from worker.prefetch import grouped_lookups, prefetching
     from worker.train.optimizer import PSOptimizer
     from worker.train.overlap import Overlap
 
-__all__ = ["Overlap", "PSClient", "PSOptimizer", "ServingClient", "SparseEmbedding", "load", "make_sparse", "serve"]
+__all__ = [
+    "Overlap",
+    "PSClient",
+    "PSOptimizer",
+    "ServingClient",
+    "SparseEmbedding",
+    "grouped_lookups",
+    "load",
+    "make_sparse",
+    "prefetching",
+    "serve",
+]
 
 _WHERE = {
     "PSClient": "worker.client",
@@ -31,6 +44,8 @@ _WHERE = {
     "Overlap": "worker.train.overlap",
     "PSOptimizer": "worker.train.optimizer",
     "make_sparse": "worker.models.convert",
+    "prefetching": "worker.prefetch",
+    "grouped_lookups": "worker.prefetch",
     "load": "worker.client.model_file",
     "ServingClient": "worker.client.serving",
     "serve": "worker.client.serving",

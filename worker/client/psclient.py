@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from types import TracebackType
 from typing import Any, TypeVar
@@ -37,8 +37,8 @@ from worker.client.feed import GradientFeed
 from worker.client.host_group import HostGroup
 from worker.client.link import Session, ShardLink
 from worker.client.membership import Membership
-from worker.client.rows import SparseJob, TableRows, by_shard, row_jobs
-from worker.client.sparse import tables_of
+from worker.client.rows import SparseJob, TableRows, by_shard, lookup_jobs, row_jobs
+from worker.client.sparse import Prepared, SparseEmbedding, tables_of
 from worker.client.transports import INLINE_BYTES
 from worker.client.turns import NO_TURNS, Turns
 
@@ -61,6 +61,16 @@ class _Rows:
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         return self._client._lookup(self._binding, self._table, ids)
+
+    @property
+    def group(self) -> tuple[int, int]:
+        """Which tables can be looked up together with this one: those of the same model on the same client."""
+        return (id(self._client), id(self._binding))
+
+    def lookup_group(self, wanted: Sequence[tuple[SparseEmbedding, Prepared]]) -> None:
+        """Fetch the rows of several of the model's tables (each with its prepared IDs) in one exchange per shard;
+        each table holds its rows for its forward pass (SparseEmbedding.fetched)."""
+        self._client._lookup_group(self._binding, wanted)
 
 
 class PSClient:
@@ -305,6 +315,14 @@ class PSClient:
             if where is not None and job is not None:
                 out[where] = job.lookups[0].out
         return out
+
+    def _lookup_group(self, b: Binding, wanted: Sequence[tuple[SparseEmbedding, Prepared]]) -> None:
+        index = {id(table): k for k, table in enumerate(b.tables)}
+        jobs, deliver = lookup_jobs([(index[id(t)], t, p) for t, p in wanted], len(self.links))
+        with self._links_busy:
+            busy = [link for link, job in zip(self.links, jobs, strict=True) if job is not None]
+            fan_out(busy, lambda link: link.begin(b, None, 0, None, NO_TURNS, jobs[link.index]))
+        deliver()
 
     def pull(self, obj: Tensors) -> int:
         """Copy the shards' current weights into `obj` in place; return the lowest shard version.

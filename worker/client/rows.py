@@ -15,7 +15,7 @@ from paramserver.tables import shard_of
 from paramserver.v1 import ps_pb2
 from paramserver.wire.chunks import CHUNK_BYTES
 from worker.client.binding import Binding
-from worker.client.sparse import SparseEmbedding
+from worker.client.sparse import Prepared, SparseEmbedding
 
 
 @dataclass
@@ -112,9 +112,10 @@ def row_jobs(b: Binding, num_shards: int) -> tuple[list[SparseJob | None] | None
         job = jobs[k] = jobs[k] or SparseJob([], [])
         return job
 
-    fetched: list[tuple[SparseEmbedding, np.ndarray, np.ndarray, list[tuple[np.ndarray, TableRows]]]] = []
+    fetched: list[tuple[SparseEmbedding, np.ndarray, np.ndarray, list[tuple[np.ndarray, TableRows]], int]] = []
     for index, module in enumerate(b.tables):
         outgoing = module.take_push()
+        pushes = module.pushes
         if outgoing.gradients is not None:
             ids, grads, split = outgoing.gradients
             found = True
@@ -126,29 +127,63 @@ def row_jobs(b: Binding, num_shards: int) -> tuple[list[SparseJob | None] | None
         planned = outgoing.planned
         if planned is not None and len(planned.ids):
             found = True
-            out = np.empty((len(planned.ids), module.dim), dtype=np.float32)
-            scattered: list[tuple[np.ndarray, TableRows]] = []
-            places: Sequence[slice | np.ndarray | None] = (
-                planned.parts if planned.parts is not None else by_shard(planned.ids, num_shards)
-            )
-            for k, where in enumerate(places):
-                if where is None:
-                    continue
-                if isinstance(where, slice):  # a shard's rows land in place
-                    job_of(k).lookups.append(TableRows(index, planned.ids[where], out=out[where]))
-                    continue
-                part = TableRows(index, planned.ids[where], out=np.empty((len(where), module.dim), np.float32))
-                job_of(k).lookups.append(part)
-                scattered.append((where, part))
-            fetched.append((module, planned.ids, out, scattered))
+            out, scattered = _lookups(job_of, index, module.dim, planned, num_shards)
+            fetched.append((module, planned.ids, out, scattered, pushes))
 
     def deliver() -> None:
-        for module, ids, out, scattered in fetched:
+        for module, ids, out, scattered, pushes in fetched:
             for where, part in scattered:
                 out[where] = part.out
-            module.fetched(ids, out)
+            module.fetched(ids, out, pushes)
 
     return (jobs if found else None), deliver
+
+
+def lookup_jobs(
+    tables: Sequence[tuple[int, SparseEmbedding, Prepared]], num_shards: int
+) -> tuple[list[SparseJob | None], Callable[[], None]]:
+    """Each shard's part of one lookup for several tables at once ((index in the model, table, its prepared IDs)),
+    and what hands each table its rows once the exchange is over (worker.prefetch's grouped lookup)."""
+    jobs: list[SparseJob | None] = [None] * num_shards
+
+    def job_of(k: int) -> SparseJob:
+        job = jobs[k] = jobs[k] or SparseJob([], [])
+        return job
+
+    found = [
+        (table, prepared, *_lookups(job_of, index, table.dim, prepared, num_shards))
+        for index, table, prepared in tables
+    ]
+
+    def deliver() -> None:
+        for table, prepared, out, scattered in found:
+            for where, part in scattered:
+                out[where] = part.out
+            table.fetched(prepared.ids, out)
+
+    return jobs, deliver
+
+
+def _lookups(
+    job_of: Callable[[int], SparseJob], index: int, dim: int, planned: Prepared, num_shards: int
+) -> tuple[np.ndarray, list[tuple[np.ndarray, TableRows]]]:
+    """Add one table's lookup of `planned`'s IDs to each shard's job: where all its rows land, and the parts that
+    land elsewhere first (IDs not grouped by shard), to be scattered into it."""
+    out = np.empty((len(planned.ids), dim), dtype=np.float32)
+    scattered: list[tuple[np.ndarray, TableRows]] = []
+    places: Sequence[slice | np.ndarray | None] = (
+        planned.parts if planned.parts is not None else by_shard(planned.ids, num_shards)
+    )
+    for k, where in enumerate(places):
+        if where is None:
+            continue
+        if isinstance(where, slice):  # a shard's rows land in place
+            job_of(k).lookups.append(TableRows(index, planned.ids[where], out=out[where]))
+            continue
+        part = TableRows(index, planned.ids[where], out=np.empty((len(where), dim), np.float32))
+        job_of(k).lookups.append(part)
+        scattered.append((where, part))
+    return out, scattered
 
 
 def given_rows(b: Binding, shard: int, num_shards: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paramserver.tables import TableSpec, shard_of
+from paramserver.tables import TableSpec
+from worker.client.prepared import Prepared, UniqueCache, prepare
 
 MODES = (None, "sum", "mean")
 # Rows this narrow are gathered with index_select, whose backward (index_add_) measured 0.3-0.65x F.embedding's for
@@ -42,61 +42,6 @@ MODES = (None, "sum", "mean")
 NARROW = 32
 READY_KEPT = 4  # prefetched batches a table holds the rows of; more are dropped, oldest first (never read)
 PREPARED_KEPT = 4  # prefetched batches a table keeps the unique IDs of
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A batch's IDs as prefetch prepares them for the forward pass and the push: their unique IDs grouped by the
-    shard that holds them (each shard's ascending), so that each shard's rows are one slice of the table's rows,
-    received in place and pushed without a copy."""
-
-    given: torch.Tensor  # a copy of the IDs prefetch was given (the caller may reuse its tensor)
-    ids: np.ndarray  # the unique IDs, int64, shard by shard (sorted where there is no split)
-    inverse: torch.Tensor  # each given ID's position in `ids`
-    parts: list[slice | None] | None  # each shard's slice of `ids` (None: holds none); None: not split
-
-
-class UniqueCache:
-    """The prepared IDs of the last few ID tensors the tables of one model prefetched, so that tables given the same
-    IDs (a DeepFM's two tables per field) compute them once. An entry counts only while its IDs still equal the copy
-    it keeps: memory written in place since (through numpy, say, which torch's version counter does not see) is
-    computed again."""
-
-    def __init__(self, num_shards: int = 1, size: int = 64) -> None:
-        self._num_shards = num_shards
-        self._size = size
-        self._entries: OrderedDict[tuple[object, ...], Prepared] = OrderedDict()
-
-    def of(self, ids: torch.Tensor) -> Prepared:
-        """These IDs prepared (see Prepared), split by the shards of the model's client."""
-        key = (ids.data_ptr(), tuple(ids.shape), tuple(ids.stride()), ids.dtype, ids.device)
-        hit = self._entries.get(key)
-        if hit is not None and torch.equal(hit.given, ids):
-            self._entries.move_to_end(key)
-            return hit
-        entry = prepare(ids, self._num_shards)
-        self._entries[key] = entry
-        if len(self._entries) > self._size:
-            self._entries.popitem(last=False)
-        return entry
-
-
-def prepare(ids: torch.Tensor, num_shards: int | None) -> Prepared:
-    """The unique IDs and inverse of `ids`, grouped by shard_of over `num_shards` shards (None: sorted, not split)."""
-    unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-    flat = unique.to("cpu", torch.int64).numpy()
-    if num_shards is None:
-        return Prepared(ids.clone(), flat, inverse, None)
-    if num_shards == 1:
-        return Prepared(ids.clone(), flat, inverse, [slice(0, len(flat))])
-    owner = shard_of(flat, num_shards)
-    order = np.argsort(owner, kind="stable")  # stable: each shard's IDs stay ascending
-    rank = np.empty(len(order), dtype=np.int64)
-    rank[order] = np.arange(len(order))
-    bounds = np.searchsorted(owner[order], np.arange(num_shards + 1)).tolist()
-    parts = [slice(lo, hi) if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-    grouped = torch.from_numpy(rank).to(inverse.device)[inverse]
-    return Prepared(ids.clone(), flat[order], grouped, parts)
 
 
 class _StepState:
@@ -114,12 +59,17 @@ class _StepState:
         self.touched: list[tuple[np.ndarray, torch.Tensor, list[slice | None] | None]] = []
         self.planned: Prepared | None = None  # the IDs the next push_pull looks up (prefetch), until it takes them
         self.sealed: Outgoing | None = None  # what the next push sends, set aside by seal()
-        # Rows pushes fetched, not yet used by a forward pass: id(unique IDs) -> (unique IDs, rows). Up to
-        # READY_KEPT: an overlapped loop prefetches two batches ahead.
-        self.ready: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # Rows pushes fetched, not yet used by a forward pass: id(unique IDs) -> (unique IDs, rows, the push count
+        # they were fetched at). Up to READY_KEPT: an overlapped loop prefetches two batches ahead.
+        self.ready: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
         self.ready_lock = threading.Lock()
         # prefetch's IDs, oldest first: a forward pass on one of them needs no torch.unique
         self.prepared: list[Prepared] = []
+        # Pushes taken so far; rows fetched by the exchange of push n are read only while pushes - n <= lag (0: before
+        # the next push; 1 when sealed, as an overlapped loop reads rows an exchange older), never after more updates.
+        self.pushes = 0
+        self.lag = 0
+        self.queued = False  # expect() was used: a push with nothing planned fetches the oldest expected batch
 
     def __deepcopy__(self, memo: dict[int, object]) -> _StepState:
         """A copied model's table reads rows where the original does, with nothing of its steps in flight."""
@@ -294,13 +244,37 @@ class SparseEmbedding(nn.Module):
         del st.prepared[:-PREPARED_KEPT]
         st.planned = prepared
 
+    def expect(self, ids: torch.Tensor, *, queue: bool = True) -> Prepared:
+        """Say that a coming forward pass will look these IDs up, after those expected before it (worker.prefetching
+        calls this as it reads batches ahead): each push fetches the rows of the oldest expected batch no forward pass
+        has used yet, so a loop that reads its batches further ahead (Lightning reads one) still gets the right ones.
+        `queue=False`: only prepare them for that forward pass (rows fetched otherwise: worker.prefetch's grouped
+        lookup). Returns them prepared."""
+        st = self._step
+        prepared = st.uniques.of(ids) if st.uniques is not None else prepare(ids, None)
+        if queue:
+            st.prepared.append(prepared)
+            del st.prepared[:-PREPARED_KEPT]
+            st.queued = True
+        else:  # the forward pass about to run: in place of its batch's expected IDs, before any expected after it
+            st.prepared = [p for p in st.prepared if not _same(p.given, ids)]
+            st.prepared.insert(0, prepared)
+        return prepared
+
+    @property
+    def source(self) -> RowSource | None:
+        """Where this table reads its rows (None: not registered)."""
+        return self._step.source
+
     def seal(self) -> None:
         """Set aside what the next push sends (the touched rows' gradients, the prefetched IDs), so that a push on
         another thread takes exactly these while this thread runs the next forward pass (worker.train.overlap)."""
         st = self._step
         gradients = self._summed(st.touched)
         st.touched = []
-        planned, st.planned = st.planned, None
+        planned, st.planned = self._planned(), None
+        st.pushes += 1
+        st.lag = 1
         before = st.sealed
         if before is not None:  # a push that never took the last ones (it failed first): send both
             both = [g for g in (before.gradients, gradients) if g is not None]
@@ -316,15 +290,34 @@ class SparseEmbedding(nn.Module):
         if sealed is not None:
             return sealed
         touched, st.touched = st.touched, []
-        planned, st.planned = st.planned, None
+        planned, st.planned = self._planned(), None
+        st.pushes += 1
         return Outgoing(self._summed(touched), planned)
 
-    def fetched(self, ids: np.ndarray, rows: np.ndarray) -> None:
+    def _planned(self) -> Prepared | None:
+        """The IDs the next exchange fetches: those prefetch named, else the oldest expected batch's."""
+        st = self._step
+        if st.planned is None and st.queued and st.prepared:
+            return st.prepared[0]
+        return st.planned
+
+    @property
+    def pushes(self) -> int:
+        """How many pushes have taken this table's rows (fetched rows are tagged with it: see `fetched`)."""
+        return self._step.pushes
+
+    def has_ready_rows(self) -> bool:
+        """Whether fetched rows wait for a forward pass, still of the current version."""
+        st = self._step
+        return any(st.pushes - tag <= st.lag for _, _, tag in list(st.ready.values()))
+
+    def fetched(self, ids: np.ndarray, rows: np.ndarray, pushes: int | None = None) -> None:
         """Hold prefetched rows for the forward pass on these IDs (PSClient's push_pull gives them, on whichever
-        thread ran the exchange)."""
+        thread ran the exchange). `pushes`: the push count when the exchange took its push (default: now); once
+        another push has gone (two when sealed), they are of an older version and no forward pass reads them."""
         st = self._step
         with st.ready_lock:
-            st.ready[id(ids)] = (ids, rows)
+            st.ready[id(ids)] = (ids, rows, st.pushes if pushes is None else pushes)
             while len(st.ready) > READY_KEPT:
                 del st.ready[next(iter(st.ready))]
 
@@ -334,10 +327,12 @@ class SparseEmbedding(nn.Module):
         if not st.ready:
             return None
         with st.ready_lock:
+            for key in [k for k, (_, _, tag) in st.ready.items() if st.pushes - tag > st.lag]:
+                del st.ready[key]  # of an older version: an update went since
             hit = st.ready.pop(id(wanted), None)
             if hit is not None and hit[0] is wanted:
                 return hit[1]
-            for key, (ids, rows) in st.ready.items():
+            for key, (ids, rows, _) in st.ready.items():
                 if np.array_equal(ids, wanted):
                     del st.ready[key]
                     return rows
@@ -357,6 +352,9 @@ class SparseEmbedding(nn.Module):
                 f"embedding IDs are integers, not {ids.dtype}: a float tensor rounds IDs (float32 from 2^24 on), so "
                 "two IDs could read one row; keep the IDs in an integer tensor (as nn.Embedding takes them)"
             )
+        recorder = CAPTURING.get()
+        if recorder is not None:  # a capture pass (worker.prefetch): the IDs noted, no rows read
+            return recorder.record(self, ids, offsets)
         if self.mode is None and (offsets is not None or per_sample_weights is not None):
             raise ValueError("mode None takes ids alone; mode 'sum' or 'mean' pools bags (offsets, or 2-D ids)")
         if self.mode is not None and (ids.dim() != 2 if offsets is None else ids.dim() != 1):
@@ -398,13 +396,7 @@ class SparseEmbedding(nn.Module):
         prefetch computed when these are IDs it was given (the usual loop), else computed now (no slices)."""
         st = self._step
         for k, prepared in enumerate(st.prepared):
-            given = prepared.given
-            if (
-                given.shape == ids.shape
-                and given.device == ids.device
-                and given.dtype == ids.dtype
-                and torch.equal(given, ids)
-            ):
+            if _same(prepared.given, ids):
                 del st.prepared[: k + 1]  # this one, and any older ones the loop skipped
                 return prepared.ids, prepared.inverse.to(ids.device), prepared.parts
         unique_t, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
@@ -435,6 +427,21 @@ class SparseEmbedding(nn.Module):
         return unique, summed.numpy(), None
 
 
+def _same(given: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Whether two ID tensors are the same IDs (shape, device, dtype and values)."""
+    return (
+        given.shape == ids.shape and given.device == ids.device and given.dtype == ids.dtype and torch.equal(given, ids)
+    )
+
+
+class Recorder(Protocol):
+    """What a capture pass (worker.prefetch.capture) sets: each table's forward hands it its IDs instead of reading
+    rows, and returns what it returns (zeros of the output's shape)."""
+
+    def record(self, table: SparseEmbedding, ids: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor: ...
+
+
+CAPTURING: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("capturing", default=None)
 _ROWS_LEFT_OUT: contextvars.ContextVar[bool] = contextvars.ContextVar("rows_left_out", default=False)
 
 

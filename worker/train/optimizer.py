@@ -26,6 +26,9 @@ from torch import nn
 from paramserver.shard.schedules import lr_at
 from worker.client.psclient import PSClient
 from worker.client.sparse import touched_rows
+from worker.prefetch import grouped_lookups
+from worker.train import catch_up
+from worker.train.catch_up import ROUND_TIMEOUT
 
 __all__ = ["PSOptimizer"]
 
@@ -63,21 +66,35 @@ class PSOptimizer(torch.optim.Optimizer):
     average is the combined batch's sum, as a local step on it would see (async and ssp jobs apply each push as it
     comes: nothing to scale). `register`: register the model now (False: the
     caller did or will).
+
+    A step whose push the servers refuse (its round closed without it, or this worker was evicted and joined again)
+    or whose round stays open catches up as ps-worker does (worker.train.catch_up.exchange): the weights of the
+    round are pulled and the loop goes on, waiting at most `round_timeout` seconds for a round; `stale_steps` counts
+    the refused ones.
     """
 
     def __init__(
-        self, model: nn.Module, client: PSClient, *, loss_reduction: str = "mean", register: bool = True
+        self,
+        model: nn.Module,
+        client: PSClient,
+        *,
+        loss_reduction: str = "mean",
+        register: bool = True,
+        round_timeout: float = ROUND_TIMEOUT,
     ) -> None:
         if loss_reduction not in REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {', '.join(REDUCTIONS)}, not {loss_reduction!r}")
         self.model = model
         self.client = client
         self.loss_reduction = loss_reduction
+        self.round_timeout = round_timeout
+        self.stale_steps = 0
         params = [p for p in model.parameters() if p.requires_grad]
         super().__init__([{"params": params}], {"lr": client.topology.job.lr})
         self.param_groups = [_ServersGroup(group) for group in self.param_groups]
         if register:
             client.register(model)
+        grouped_lookups(model)  # a forward pass with no rows fetched looks every table up at once
         self._show_lr()
 
     @property
@@ -107,7 +124,7 @@ class PSOptimizer(torch.optim.Optimizer):
             for rows in touched_rows(self.model):
                 if rows.grad is not None:
                     rows.grad.mul_(scale)
-        self.client.push_pull(self.model)
+        self.stale_steps += catch_up.exchange(self.client, self.model, self.round_timeout)
         self._show_lr()
         return loss
 

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from paramserver import modes
-from paramserver.errors import Aborted, PullTimeout
-from worker.client import PSClient, Tensors
+from worker.client import PSClient
 from worker.data.datasets import Dataset
 from worker.data.stream import StreamedDataset
+from worker.train.catch_up import exchange
 from worker.train.config import TrainConfig
 from worker.train.gradients import compute_gradients, evaluate
 from worker.train.losses import Step
@@ -50,44 +50,6 @@ class Job:
         return evaluate(
             self.model, self.data.test_batches(_EVAL_BATCH), self.device, task=self.data.task, step=self.step_fn
         )
-
-
-def _pull_once_closed(
-    client: PSClient, model: Tensors, began: float, limit: float, timed_out: PullTimeout | None = None
-) -> None:
-    """Pull the weights of the round this step's push went into, however long it stays open (a sync round waits
-    for every worker to have joined, and for each live one to push; a dead one is evicted when its lease runs
-    out): each pull the servers time out is logged and made again, until `limit` seconds after `began`."""
-    while True:
-        if timed_out is not None:
-            waited = time.monotonic() - began
-            if waited >= limit:
-                raise PullTimeout(f"gave up on a round after {waited:.1f} s (--round-timeout {limit:g}): {timed_out}")
-            log.warning("still waiting for the round to close after %.1f s: %s", waited, timed_out)
-        try:
-            client.pull(model)
-            return
-        except PullTimeout as exc:
-            timed_out = exc
-
-
-def exchange(
-    client: PSClient, target: Tensors, round_timeout: float, backward: Callable[[], object] | None = None
-) -> bool:
-    """Push the gradient held by `target` and pull the weights that include it into `target`, catching up when the
-    push was refused or its round stays open; return whether it was refused (a stale push). `backward`: what makes
-    the gradient, run while the push goes (PSClient.push_pull)."""
-    began = time.monotonic()
-    try:
-        client.push_pull(target, backward=backward)
-    except Aborted as exc:
-        # The round closed without us (too slow, evicted, or a shard restarted): catch up, go on.
-        log.debug("push refused: %s", exc)
-        _pull_once_closed(client, target, began, round_timeout)
-        return True
-    except PullTimeout as exc:
-        _pull_once_closed(client, target, began, round_timeout, exc)
-    return False
 
 
 def _overlap(config: TrainConfig, client: PSClient, model: torch.nn.Module) -> Overlap[bool] | None:
