@@ -6,11 +6,18 @@ full state is read a page of rows at a time, the lock taken per page, so a large
 training goes on between pages; the copy then asks for the changes since the version the state started at, which
 makes it whole (a row written meanwhile is among them). Nothing here is kept per copy: a slow or dead copy costs
 the shard only the RPC it has open, and at most FOLLOWERS are open at once.
+
+Several copies cost about one: the last delta (the changes from version a to version b, read at b) is kept for
+REUSE_S, and answers any copy holding a version from a up to b, since it holds every change after that copy's
+version too (and some it has: rewritten at b's values, which are newer). Such a copy then holds b, as the first
+does, so copies that follow one shard fall into step and each delta is read and serialized once for all of them.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,6 +32,24 @@ from paramserver.wire.chunks import CHUNK_BYTES
 MAX_WAIT_MS = 10_000
 FOLLOWERS, FOLLOWERS_PER_HOST = 4, 2  # Follow streams at once: 4 of the gRPC pool's 16 threads at most
 PAGE_SLOTS = 1 << 16  # slots read under the lock at once in a full state (at dim 64: 16 MiB of values)
+# How long the last delta answers other copies: at most this much fresher data is passed over for a copy it serves.
+# Copies ask every 0.1 s (paramserver.serving.follower.INTERVAL_S); a copy a step behind another is caught in this.
+REUSE_S = 0.05
+
+
+@dataclass(frozen=True)
+class _Delta:
+    """The last delta sent: the changes after `since` read at `version`, serialized (its header first)."""
+
+    history: tuple[str, str]  # model digest and incarnation
+    since: int
+    version: int
+    made: float  # time.monotonic()
+    head: ps_pb2.FollowMessage.Header
+    rest: list[bytes]  # the messages after the header
+
+    def answers(self, history: tuple[str, str], since: int, now: float) -> bool:
+        return history == self.history and self.since <= since < self.version and now - self.made <= REUSE_S
 
 
 class Followers:
@@ -34,37 +59,49 @@ class Followers:
     def __init__(self, shard: Shard, total: int = FOLLOWERS, per_host: int = FOLLOWERS_PER_HOST) -> None:
         self.shard = shard
         self.gate = StreamGate(total, per_host)
-        self._last: tuple[tuple[str, str, int, int], list[bytes]] | None = None  # the last delta, serialized
+        self._last: _Delta | None = None
 
     def follow(self, request: ps_pb2.FollowRequest) -> Iterator[bytes]:
         """The messages answering `request`, serialized (checks, and the wait for a newer version, before the first).
-        A delta is kept until the next: another copy asking for the same versions gets the same bytes, read once."""
+        The last delta answers every copy it covers for REUSE_S (see the module's docstring)."""
         shard = self.shard
         wait = min(request.wait_ms, MAX_WAIT_MS) / 1000
+        since = request.since_version
         with shard.lock:
             model = shard.require_model()  # NotPrimary on a backup: the copy follows the primary
-            shard.lock.wait_for(lambda: shard.version > request.since_version or shard.closed, timeout=wait)
-            if shard.closed:
-                raise ShuttingDown(f"shard {shard.index} is stopping")
-            model = shard.require_model()
-            full = request.full or not self._continues(request, model)
-            version = shard.version
-            key = (model.digest, shard.incarnation, request.since_version, version)
-            cached = self._last
-            if not full and cached is not None and cached[0] == key:
-                reused: list[bytes] | None = cached[1]
+            history = (model.digest, shard.incarnation)
+            last = self._last
+            now = time.monotonic()
+            if (
+                last is not None
+                and not request.full
+                and last.answers(history, since, now)
+                and self._continues(request, model)
+            ):
+                # Its header anew: when the oldest change this copy lacks applied (its freshness).
+                head = ps_pb2.FollowMessage.Header()
+                head.CopyFrom(last.head)
+                head.oldest_applied = shard.publication.applied_after(since)
+                reused = [ps_pb2.FollowMessage(header=head).SerializeToString(), *last.rest]
             else:
                 reused = None
+                shard.lock.wait_for(lambda: shard.version > since or shard.closed, timeout=wait)
+                if shard.closed:
+                    raise ShuttingDown(f"shard {shard.index} is stopping")
+                model = shard.require_model()
+                history = (model.digest, shard.incarnation)
+                full = request.full or not self._continues(request, model)
+                version = shard.version
                 head = ps_pb2.FollowMessage.Header(
                     version=version,
                     full=full,
                     incarnation=shard.incarnation,
                     model_digest=model.digest,
-                    dense_elements=model.numel if (full or version > request.since_version) else 0,
-                    oldest_applied=0.0 if full else shard.publication.applied_after(request.since_version),
+                    dense_elements=model.numel if (full or version > since) else 0,
+                    oldest_applied=0.0 if full else shard.publication.applied_after(since),
                 )
                 dense = model.params.detach().numpy().copy() if head.dense_elements else np.empty(0, np.float32)
-                changed = [] if full else self._changed(model, request.since_version)
+                changed = [] if full else self._changed(model, since)
         if reused is not None:  # sent once the lock is let go, as every answer: a slow reader never holds the shard
             yield from reused
             return
@@ -73,11 +110,12 @@ class Followers:
             yield from (m.SerializeToString() for m in _dense(dense))
             yield from (m.SerializeToString() for m in self._pages(model))
             return
-        messages = [ps_pb2.FollowMessage(header=head).SerializeToString()]
-        messages += [m.SerializeToString() for m in _dense(dense)]
-        messages += [m.SerializeToString() for m in _batches(changed)]
-        self._last = (key, messages)
-        yield from messages
+        rest = [m.SerializeToString() for m in _dense(dense)]
+        rest += [m.SerializeToString() for m in _batches(changed)]
+        if head.version > since:
+            self._last = _Delta(history, since, head.version, time.monotonic(), head, rest)
+        yield ps_pb2.FollowMessage(header=head).SerializeToString()
+        yield from rest
 
     def _continues(self, request: ps_pb2.FollowRequest, model: ShardModel) -> bool:
         """Whether the copy's state is a past version of this shard's (then only changes need go): the same model,
