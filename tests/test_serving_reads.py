@@ -114,3 +114,42 @@ def test_a_lookup_it_cannot_answer_is_refused_and_changes_nothing(
     assert after[0] == before[0]
     for name in ("a", "c"):
         np.testing.assert_array_equal(after[1][name], before[1][name])
+
+
+def test_a_client_reads_from_one_process_per_shard(
+    served: tuple[ServingClient, PSClient, Widths], ps_cluster_factory: Callable[..., LocalCluster]
+) -> None:
+    reader, client, model = served
+    address = reader.address
+    started = [serve(client.addresses[0], shards=[s]) for s in (0, 1)]
+    try:
+        ports = [f"127.0.0.1:{port}" for _, _, port in started]
+        with ServingClient(ports) as spread, ServingClient(",".join(reversed(ports))) as backwards:
+            assert wait_until(lambda: list(spread.status().versions) == list(client.versions), 30)
+            ids = {"a": np.arange(100), "b": np.arange(-500, 500, 7), "c": np.array([3, -3, 10**15])}
+            with torch.no_grad():
+                want = {n: getattr(model, n)(torch.from_numpy(i)).numpy() for n, i in ids.items()}
+            for r in (spread, backwards, reader):
+                got = r.lookup_many(ids)
+                for n in ids:
+                    np.testing.assert_array_equal(got[n], want[n])
+            assert spread.versions == tuple(client.versions)
+            pulled = Widths()
+            spread.pull(pulled)
+            assert torch.equal(pulled.fc.weight, model.fc.weight)
+        with pytest.raises(ValueError, match=r"holds a copy of shard\(s\) \[1\] of 2"):
+            ServingClient(ports[0], timeout=30)
+        other = ps_cluster_factory(ServerConfig(mode="async", workers=1), shards=2)
+        with PSClient(other.address) as elsewhere:
+            elsewhere.register(nn.Linear(3, 1))
+            server, copies, port = serve(other.address)
+            try:
+                with pytest.raises(ValueError, match="name the copies of one job"):
+                    ServingClient([address, f"127.0.0.1:{port}"], timeout=30)
+            finally:
+                copies.stop()
+                server.stop(0)
+    finally:
+        for server, copies, _ in started:
+            copies.stop()
+            server.stop(0)

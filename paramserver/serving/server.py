@@ -212,6 +212,7 @@ class ServingCopies:
             freshness_p50=p50,
             freshness_p99=p99,
             freshness_answers=len(fresh),
+            held=sorted(self.copies),
         )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -19,27 +19,59 @@ from torch import nn
 
 from paramserver.errors import from_rpc_error
 from paramserver.placement import TensorSpec, place
-from paramserver.tables import TableSpec, spec_from_proto
+from paramserver.tables import TableSpec, shard_of, spec_from_proto
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from worker.client.sparse import SparseEmbedding, tables_of, without_rows
 
 _OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
 
 
-class ServingClient:
-    """A connection to a ps-serve process at `address` ("host:port")."""
+class _Copies:
+    """One ps-serve process: its channel and the shards it holds copies of."""
 
-    def __init__(self, address: str, timeout: float = 30.0) -> None:
+    def __init__(self, address: str) -> None:
         self.address = address
+        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self.stub = ps_pb2_grpc.ServingStub(self.channel)
+        self.held: tuple[int, ...] = ()
+
+    def wait_ready(self, deadline: float) -> ps_pb2.ServingStatus:
+        while True:
+            try:
+                left = max(0.1, deadline - time.monotonic())
+                status = self.stub.Status(ps_pb2.ServingStatusRequest(), timeout=left)
+                if status.ready:
+                    # A process of before `held` holds every shard.
+                    self.held = tuple(status.held) if status.held else tuple(range(status.shards))
+                    return status
+            except grpc.RpcError as err:
+                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise from_rpc_error(err, self.address) from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the serving copies at {self.address} were not ready in time")
+            time.sleep(0.05)
+
+
+class ServingClient:
+    """A connection to the serving copies of a job (ps-serve): one process's address ("host:port"), or several
+    (a list, or "host:port,host:port"), such as one per shard (`ps-serve --shard-index I`). A read goes to the
+    process holding each shard's copy: each shard's part of an answer is of one version, and so is the whole answer
+    when one process holds every shard."""
+
+    def __init__(self, address: str | Sequence[str], timeout: float = 30.0) -> None:
+        addresses = [a.strip() for a in (address.split(",") if isinstance(address, str) else address) if a.strip()]
+        if not addresses:
+            raise ValueError("name the serving copies' address, host:port (or several)")
+        self.address = ",".join(addresses)
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=_OPTIONS)
-        self._stub = ps_pb2_grpc.ServingStub(self._channel)
+        self._processes = [_Copies(a) for a in addresses]
         self.versions: tuple[int, ...] = ()  # each shard's version, as the last answer gave them
         self._status = self.wait_ready(timeout)
         self.tables: dict[str, TableSpec] = {t.name: spec_from_proto(t) for t in self._status.tables}
 
     def close(self) -> None:
-        self._channel.close()
+        for p in self._processes:
+            p.channel.close()
 
     def __enter__(self) -> ServingClient:
         return self
@@ -47,33 +79,55 @@ class ServingClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: Any, request: Any) -> Any:
+    def _call(self, copies: _Copies, method: Any, request: Any) -> Any:
         try:
             return method(request, timeout=self.timeout)
         except grpc.RpcError as err:
-            raise from_rpc_error(err, self.address) from None
+            raise from_rpc_error(err, copies.address) from None
 
     def status(self) -> ps_pb2.ServingStatus:
-        """The copies' versions, readiness and model."""
-        status = self._call(self._stub.Status, ps_pb2.ServingStatusRequest())
-        self.versions = tuple(status.versions)
+        """The copies' versions (each shard's from the process it is read from), readiness and model."""
+        got = [self._call(p, p.stub.Status, ps_pb2.ServingStatusRequest()) for p in self._processes]
+        return self._merged(got)
+
+    def _merged(self, got: list[ps_pb2.ServingStatus]) -> ps_pb2.ServingStatus:
+        status = ps_pb2.ServingStatus()
+        status.CopyFrom(got[0])
+        by_address = dict(zip((p.address for p in self._processes), got, strict=True))
+        versions = [by_address[self._reader[s].address].versions[s] for s in range(status.shards)]
+        del status.versions[:]
+        status.versions.extend(versions)
+        status.ready = all(g.ready for g in got)
+        del status.held[:]
+        status.held.extend(range(status.shards))
+        self.versions = tuple(versions)
         return status
 
     def wait_ready(self, timeout: float) -> ps_pb2.ServingStatus:
-        """Wait until every shard's copy holds a whole version (TimeoutError after `timeout` seconds)."""
+        """Wait until every shard's copy holds a whole version (TimeoutError after `timeout` seconds); check that
+        the processes serve one model and hold every shard between them."""
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                status = self._stub.Status(ps_pb2.ServingStatusRequest(), timeout=max(0.1, deadline - time.monotonic()))
-                if status.ready:
-                    self.versions = tuple(status.versions)
-                    return status
-            except grpc.RpcError as err:
-                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise from_rpc_error(err, self.address) from None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the serving copies at {self.address} were not ready within {timeout:.0f} s")
-            time.sleep(0.05)
+        got = [p.wait_ready(deadline) for p in self._processes]
+        first = got[0]
+        for p, g in zip(self._processes, got, strict=True):
+            if g.model_digest != first.model_digest or g.shards != first.shards:
+                raise ValueError(
+                    f"{p.address} serves model {g.model_digest[:12]} of {g.shards} shard(s), "
+                    f"{self._processes[0].address} model {first.model_digest[:12]} of {first.shards}: "
+                    "name the copies of one job"
+                )
+        self._shards = first.shards
+        self._reader: dict[int, _Copies] = {}
+        for p in self._processes:
+            for shard in p.held:
+                self._reader.setdefault(shard, p)
+        missing = sorted(set(range(first.shards)) - set(self._reader))
+        if missing:
+            raise ValueError(
+                f"no process at {self.address} holds a copy of shard(s) {missing} of {first.shards}: start "
+                "ps-serve --shard-index for them, or name the process that holds them"
+            )
+        return self._merged(got)
 
     @property
     def version(self) -> int:
@@ -81,18 +135,38 @@ class ServingClient:
         return min(self.status().versions, default=0)
 
     def lookup_many(self, asked: Mapping[str, np.ndarray | torch.Tensor]) -> dict[str, np.ndarray]:
-        """Rows of several tables in one request, by table name: {name: float32 [len(ids), dim]}."""
+        """Rows of several tables in one request (one per process holding their shards), by table name:
+        {name: float32 [len(ids), dim]}."""
         names = list(asked)
+        for n in names:
+            if n not in self.tables:
+                raise ValueError(f"no table named {n!r} (the model's tables: {', '.join(self.tables) or 'none'})")
         ids = [np.ascontiguousarray(np.asarray(asked[n]), dtype="<i8").reshape(-1) for n in names]
-        request = ps_pb2.LookupRequest(
-            tables=[ps_pb2.ServingIds(table=n, ids=i.tobytes()) for n, i in zip(names, ids, strict=True)]
-        )
-        reply = self._call(self._stub.Lookup, request)
-        self.versions = tuple(reply.versions)
-        return {
-            n: np.frombuffer(raw, "<f4").reshape(len(i), self.tables[n].dim)
-            for n, i, raw in zip(names, ids, reply.rows, strict=True)
-        }
+        out = {n: np.empty((len(i), self.tables[n].dim), np.float32) for n, i in zip(names, ids, strict=True)}
+        readers = sorted({id(p): p for p in self._reader.values()}.values(), key=lambda p: p.address)
+        owners = [shard_of(i, self._shards) for i in ids] if len(readers) > 1 else []
+        calls = []
+        for p in readers:
+            mine = [np.isin(o, [s for s, r in self._reader.items() if r is p]) for o in owners]
+            sent = [i[m] for i, m in zip(ids, mine, strict=True)] if mine else ids
+            request = ps_pb2.LookupRequest(
+                tables=[ps_pb2.ServingIds(table=n, ids=i.tobytes()) for n, i in zip(names, sent, strict=True)]
+            )
+            calls.append((p, mine, p.stub.Lookup.future(request, timeout=self.timeout)))
+        versions = [0] * self._shards
+        for p, mine, call in calls:
+            try:
+                reply = call.result()
+            except grpc.RpcError as err:
+                raise from_rpc_error(err, p.address) from None
+            for k, (n, raw) in enumerate(zip(names, reply.rows, strict=True)):
+                rows = np.frombuffer(raw, "<f4").reshape(-1, self.tables[n].dim)
+                out[n][mine[k] if mine else slice(None)] = rows
+            for s, r in self._reader.items():
+                if r is p:
+                    versions[s] = reply.versions[s]
+        self.versions = tuple(versions)
+        return out
 
     def lookup(
         self, model: nn.Module | None, table: str | SparseEmbedding, ids: np.ndarray | torch.Tensor
@@ -131,15 +205,16 @@ class ServingClient:
         return self.versions
 
     def _pull_shard(self, shard: int) -> tuple[int, np.ndarray]:
+        reader = self._reader[shard]
         try:
-            messages = iter(self._stub.Pull(ps_pb2.ServingPullRequest(shard=shard), timeout=self.timeout))
+            messages = iter(reader.stub.Pull(ps_pb2.ServingPullRequest(shard=shard), timeout=self.timeout))
             head = next(messages).header
             flat = np.empty(head.dense_elements, np.float32)
             for m in messages:
                 data = np.frombuffer(m.dense.data, "<f4")
                 flat[m.dense.offset : m.dense.offset + len(data)] = data
         except grpc.RpcError as err:
-            raise from_rpc_error(err, self.address) from None
+            raise from_rpc_error(err, reader.address) from None
         return head.version, flat
 
 
