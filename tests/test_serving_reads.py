@@ -4,17 +4,20 @@ lookup would be, and a request it cannot answer refused with the status that say
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from paramserver.config import ServerConfig
 from paramserver.server.cluster import LocalCluster
 from paramserver.serving.follower import wait_until
-from paramserver.serving.server import serve
+from paramserver.serving.seed import seed
+from paramserver.serving.server import ServingCopies, contact, serve
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from worker import PSClient, SparseEmbedding
 from worker.client.serving import ServingClient
@@ -36,6 +39,13 @@ class Widths(nn.Module):
         return self.fc(torch.cat([self.a(ids[:, 0] % 100), self.b(ids[:, 1]), self.c(ids[:, 2])], 1)).squeeze(-1)
 
 
+def train(client: PSClient, model: Widths, g: torch.Generator, steps: int) -> None:
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        (model(torch.randint(-(10**6), 10**6, (64, 3), generator=g)) ** 2).mean().backward()
+        client.push_pull(model)
+
+
 @pytest.fixture
 def served(ps_cluster_factory: Callable[..., LocalCluster]) -> Iterator[tuple[ServingClient, PSClient, Widths]]:
     cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="adagrad", lr=0.1), shards=2)
@@ -43,11 +53,7 @@ def served(ps_cluster_factory: Callable[..., LocalCluster]) -> Iterator[tuple[Se
     model = Widths()
     with PSClient(cluster.address) as client:
         client.register(model)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(5):
-            model.zero_grad(set_to_none=True)
-            (model(torch.randint(-(10**6), 10**6, (64, 3), generator=g)) ** 2).mean().backward()
-            client.push_pull(model)
+        train(client, model, torch.Generator().manual_seed(1), 5)
         server, copies, port = serve(cluster.address)
         try:
             with ServingClient(f"127.0.0.1:{port}") as reader:
@@ -153,3 +159,51 @@ def test_a_client_reads_from_one_process_per_shard(
         for server, copies, _ in started:
             copies.stop()
             server.stop(0)
+
+
+def test_a_copy_started_from_a_saved_file_serves_it_at_once_then_follows(
+    served: tuple[ServingClient, PSClient, Widths], tmp_path: Path
+) -> None:
+    _, client, model = served
+    path = tmp_path / "model.safetensors"
+    client.save(model, path)
+    ids = {"a": np.arange(100), "b": np.arange(-(10**6), 10**6, 4_999), "c": np.arange(-300, 300)}
+    with torch.no_grad():
+        saved = {n: getattr(model, n)(torch.from_numpy(i)).numpy() for n, i in ids.items()}
+    saved_versions = list(client.versions)
+    train(client, model, torch.Generator().manual_seed(2), 3)
+    request = ps_pb2.LookupRequest(tables=[ps_pb2.ServingIds(table=n, ids=i.tobytes()) for n, i in ids.items()])
+    # Seeded, not following yet: ready, serving the file's values at the file's versions.
+    copies = ServingCopies(contact(client.addresses[0], 30))
+    seed(copies.copies, copies.topology, copies.tables, path)
+    assert copies.ready
+    reply = copies.lookup(request)
+    for want, raw in zip(saved.values(), reply.rows, strict=True):
+        np.testing.assert_array_equal(np.frombuffer(raw, "<f4").reshape(want.shape), want)
+    assert list(reply.versions) == saved_versions
+    # Started from the file: it then takes the shards' state and follows training.
+    server, following, port = serve(client.addresses[0], seed_from=str(path))
+    try:
+        with ServingClient(f"127.0.0.1:{port}") as reader:
+            train(client, model, torch.Generator().manual_seed(3), 2)
+            assert wait_until(lambda: list(reader.status().versions) == list(client.versions), 30)
+            with torch.no_grad():
+                for n, i in ids.items():
+                    np.testing.assert_array_equal(reader.lookup_many({n: i})[n], getattr(model, n)(torch.from_numpy(i)))
+    finally:
+        following.stop()
+        server.stop(0)
+
+
+def test_a_file_of_another_model_is_refused(served: tuple[ServingClient, PSClient, Widths], tmp_path: Path) -> None:
+    _, client, _ = served
+    copies = ServingCopies(contact(client.addresses[0], 30))
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(ValueError, match="not a model file"):
+        seed(copies.copies, copies.topology, copies.tables, garbage)
+    other = tmp_path / "other.safetensors"
+    save_file({"w": torch.zeros(2)}, str(other), metadata={"format": "paramserver.model/1", "tables": "[]"})
+    with pytest.raises(ValueError, match="holds tables"):
+        seed(copies.copies, copies.topology, copies.tables, other)
+    assert not copies.ready

@@ -28,6 +28,8 @@ examples:
                                                        one shard's copy (one pod per shard)
   ps-serve --peers ps-0.ps:50051,ps-1.ps:50051 --shard-index 1 --host 0.0.0.0
                                                        the same, asking shard 1 itself
+  ps-serve --server 127.0.0.1:50051 --from model.safetensors
+                                                       ready at once with a saved file's values, then following
 
 Read from it with worker.ServingClient("HOST:PORT") (lookup, pull, version) or worker.serve(model, "HOST:PORT").
 A copy holds values only (no optimizer state, no log), asks its shard for what changed since the version it holds
@@ -59,6 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="hold only this shard's copy (repeatable; default: every shard)",
+    )
+    parser.add_argument(
+        "--from",
+        dest="seed_from",
+        metavar="FILE",
+        default=None,
+        help="a model file of the job's model (PSClient.save, ps-worker --save-model): served at once, each copy "
+        "ready without waiting for its shard's whole state, which it takes beside the file's and swaps in when "
+        "whole (a cold start of seconds for any table size; the file's values until then)",
     )
     parser.add_argument(
         "--metrics-port",
@@ -117,8 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        server, copies, port = serve(args.server, args.host, args.port, args.shard_index, timeout=args.wait)
-    except (PSError, OSError) as exc:
+        server, copies, port = serve(
+            args.server, args.host, args.port, args.shard_index, timeout=args.wait, seed_from=args.seed_from
+        )
+    except (PSError, OSError, ValueError) as exc:
         print(f"ps-serve: {exc}", flush=True)
         return 1
     if args.metrics_port is not None:

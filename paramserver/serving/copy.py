@@ -90,6 +90,19 @@ class ShardCopy:
         self._next = None
         self._start_over = True
 
+    def seed(
+        self, dense: np.ndarray, rows: list[tuple[int, np.ndarray, np.ndarray]], version: int, digest: str
+    ) -> None:
+        """Serve these values (a model file's: paramserver.serving.seed) until the shard's whole state has arrived:
+        ready now, and the next question asks for a whole state, built beside this one."""
+        groups = self._new_groups()
+        self._put(groups, rows)
+        with self.lock:
+            self._groups, self._dense = groups, dense
+            self.version, self.digest, self.incarnation = version, digest, ""
+            self.ready = True
+            self._next, self._start_over = None, True
+
     # -- taking the shard's stream -------------------------------------------------------------------------------
 
     def take(self, messages: Iterable[ps_pb2.FollowMessage]) -> int:

@@ -21,6 +21,7 @@ from paramserver.errors import FailedPrecondition, InvalidArgument, ShuttingDown
 from paramserver.server.service import method_handler
 from paramserver.serving.copy import ShardCopy
 from paramserver.serving.follower import INTERVAL_S, Follower, wait_until
+from paramserver.serving.seed import seed
 from paramserver.tables import TableSpec, shard_of, spec_from_proto, spec_to_proto
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire import bounds
@@ -310,10 +311,14 @@ def serve(
     shards: Sequence[int] | None = None,
     timeout: float = 60,
     interval: float = INTERVAL_S,
+    seed_from: str | None = None,
 ) -> tuple[grpc.Server, ServingCopies, int]:
     """Start serving copies of the job at `address`, each asking its shard for changes at most every `interval`
-    seconds: return the started server, the copies, and the bound port."""
+    seconds: return the started server, the copies, and the bound port. With `seed_from` (a model file of the job's
+    model: PSClient.save), they serve its values at once, until each has taken its shard's whole state."""
     copies = ServingCopies(contact(address, timeout), shards, interval)
+    if seed_from is not None:
+        seed(copies.copies, copies.topology, copies.tables, seed_from)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=_OPTIONS)
     bound = server.add_insecure_port(f"{host}:{port}")
     if not bound:
