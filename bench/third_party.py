@@ -67,6 +67,7 @@ def _model(deepctr: Any, x: dict[str, Any]) -> Any:
         seed=1024,
         device="cpu",
         l2_reg_embedding=0.0,  # a sparse table takes no dense penalty (and make_sparse's tables none at all)
+        l2_reg_linear=0.0,  # the linear part's tables too
     )
 
 
@@ -164,6 +165,7 @@ def _job(deepctr: Any, x: dict[str, Any], y: Any, test: dict[str, Any], grouped:
 
 def _measure(chan: Channel, params: dict[str, Any]) -> None:
     """Rounds of local fit() then each variant's job; per-round ratios and AUCs back to the parent."""
+    import numpy as np
     import torch
     from sklearn.metrics import roc_auc_score
 
@@ -172,9 +174,14 @@ def _measure(chan: Channel, params: dict[str, Any]) -> None:
     samples = params["samples"]
     x, y = _data(params["fields"], samples + 5000, seed=0)
     train, test = {k: v[:samples] for k, v in x.items()}, {k: v[samples:] for k, v in x.items()}
+    # The local batch k is the workers' step-k batches one after the other: the samples a sync round combines.
+    half, steps = samples // WORKERS, samples // (WORKERS * BATCH)
+    order = np.concatenate(
+        [np.arange(r * half + k * BATCH, r * half + (k + 1) * BATCH) for k in range(steps) for r in range(WORKERS)]
+    )
     out: dict[str, list[float]] = {}
     for _ in range(params["rounds"]):
-        wall, cpu, pred = _local(deepctr, train, y[:samples], test)
+        wall, cpu, pred = _local(deepctr, {k: v[order] for k, v in train.items()}, y[order], test)
         local_auc = roc_auc_score(y[samples:], pred)
         for variant in params["variants"]:
             pwall, pcpu, ppred = _job(deepctr, train, y[:samples], test, variant == "grouped")
