@@ -1165,11 +1165,14 @@ def check_serving(r: Rendered) -> None:
         assert rule.get("from"), "no rule admits everyone"
         for port in rule["ports"]:
             admitted.setdefault(port["port"], []).extend(rule["from"])
-    assert set(admitted) == {args.port, args.metrics_port}
-    assert all(set(peer) == {"podSelector"} for peer in admitted[args.port]), "reads from this namespace's pods"
-    assert all(
-        peer["podSelector"]["matchLabels"] == {"paramserver.io/serving-client": "true"} for peer in admitted[args.port]
-    )
+    lookup = port_of(container, "lookup")
+    assert lookup is not None and lookup["containerPort"] == args.lookup_port, "the lookup socket, named in Status"
+    assert set(admitted) == {args.port, args.lookup_port, args.metrics_port}
+    for read in (args.port, args.lookup_port):
+        assert all(set(peer) == {"podSelector"} for peer in admitted[read]), "reads from this namespace's pods"
+        assert all(
+            peer["podSelector"]["matchLabels"] == {"paramserver.io/serving-client": "true"} for peer in admitted[read]
+        )
     assert all("namespaceSelector" in peer for peer in admitted[args.metrics_port]), "scrapes from Prometheus"
     (shards_policy,) = [
         p for p in r.all("NetworkPolicy") if labels_match(p["spec"]["podSelector"], shard_pod_labels(r)[0])

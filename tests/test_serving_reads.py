@@ -3,6 +3,8 @@ lookup would be, and a request it cannot answer refused with the status that say
 
 from __future__ import annotations
 
+import socket
+import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from paramserver.config import ServerConfig
+from paramserver.errors import FailedPrecondition, InvalidArgument
 from paramserver.server.cluster import LocalCluster
 from paramserver.serving.follower import wait_until
 from paramserver.serving.seed import seed
@@ -143,8 +146,10 @@ def test_a_client_reads_from_one_process_per_shard(
             pulled = Widths()
             spread.pull(pulled)
             assert torch.equal(pulled.fc.weight, model.fc.weight)
-        with pytest.raises(ValueError, match=r"holds a copy of shard\(s\) \[1\] of 2"):
-            ServingClient(ports[0], timeout=30)
+        with ServingClient(ports[0], timeout=30) as half:
+            assert list(half.status().held) == [0]
+            with pytest.raises(FailedPrecondition, match=r"holds a copy of shard\(s\) \[1\]: start ps-serve"):
+                half.lookup_many(ids)
         other = ps_cluster_factory(ServerConfig(mode="async", workers=1), shards=2)
         with PSClient(other.address) as elsewhere:
             elsewhere.register(nn.Linear(3, 1))
@@ -207,3 +212,74 @@ def test_a_file_of_another_model_is_refused(served: tuple[ServingClient, PSClien
     with pytest.raises(ValueError, match="holds tables"):
         seed(copies.copies, copies.topology, copies.tables, other)
     assert not copies.ready
+
+
+def _frame(sock: socket.socket, body: bytes, length: int | None = None) -> tuple[int, bytes]:
+    """Send one lookup-socket frame; the answer's kind and body."""
+    sock.sendall(struct.pack("<I", len(body) if length is None else length) + body)
+    head = sock.recv(4, socket.MSG_WAITALL)
+    (n,) = struct.unpack("<I", head)
+    answer = sock.recv(n, socket.MSG_WAITALL)
+    return answer[0], answer[1:]
+
+
+def test_lookups_over_the_lookup_socket_answer_as_grpc_and_refuse_as_it_does(
+    served: tuple[ServingClient, PSClient, Widths],
+) -> None:
+    reader, _, _ = served
+    port = reader.status().lookup_port
+    assert port
+    request = ps_pb2.LookupRequest(
+        tables=[
+            ps_pb2.ServingIds(table="a", ids=np.arange(50, dtype="<i8").tobytes()),
+            ps_pb2.ServingIds(table="b", ids=np.array([-7, 10**14], "<i8").tobytes()),
+        ]
+    )
+    with grpc.insecure_channel(reader.address) as channel:
+        want = ps_pb2_grpc.ServingStub(channel).Lookup(request)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        # Pipelined: two requests sent before either answer is read, answered in order.
+        body = request.SerializeToString()
+        sock.sendall((struct.pack("<I", len(body)) + body) * 2)
+        for _ in range(2):
+            (n,) = struct.unpack("<I", sock.recv(4, socket.MSG_WAITALL))
+            answer = sock.recv(n, socket.MSG_WAITALL)
+            assert answer[0] == 0 and ps_pb2.LookupReply.FromString(answer[1:]) == want
+        # Refusals keep the connection: an undecodable request, an unknown table.
+        kind, error = _frame(sock, b"\xff\xff\xff")
+        assert kind == 1 and error[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        unknown = ps_pb2.LookupRequest(tables=[ps_pb2.ServingIds(table="nope", ids=b"")]).SerializeToString()
+        kind, error = _frame(sock, unknown)
+        assert kind == 1 and b"no table named 'nope'" in error
+        assert _frame(sock, body) == (0, want.SerializeToString())
+        # A frame past the limit is refused and ends the connection (its bytes cannot be skipped).
+        kind, error = _frame(sock, b"", length=64 << 20)
+        assert kind == 1 and error[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert sock.recv(1) == b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as cut:
+        cut.sendall(struct.pack("<I", 100) + b"12345")  # a frame cut off: only its connection ends
+    # The client takes the socket; a refusal raises as over gRPC.
+    assert reader.lookup_many({"a": np.arange(50)})["a"].tobytes() == want.rows[0]
+    with pytest.raises(InvalidArgument, match="outside 0..99"):
+        reader.lookup_many({"a": np.array([100])})
+
+
+def test_a_client_that_cannot_reach_the_lookup_socket_reads_over_grpc(
+    served: tuple[ServingClient, PSClient, Widths],
+) -> None:
+    _, client, model = served
+    ids = np.arange(-20, 20)
+    with torch.no_grad():
+        want = model.c(torch.from_numpy(ids)).numpy()
+    for lookup_port in (None, 0):
+        server, copies, port = serve(client.addresses[0], lookup_port=lookup_port)
+        try:
+            with ServingClient(f"127.0.0.1:{port}") as reader:
+                assert bool(reader.status().lookup_port) == (lookup_port is not None)
+                np.testing.assert_array_equal(reader.lookup_many({"c": ids})["c"], want)
+                if copies.lookup_socket is not None:  # the socket gone under a connected client
+                    copies.lookup_socket.close()
+                    np.testing.assert_array_equal(reader.lookup_many({"c": ids})["c"], want)
+        finally:
+            copies.stop()
+            server.stop(0)

@@ -21,6 +21,7 @@ from paramserver.errors import FailedPrecondition, InvalidArgument, ShuttingDown
 from paramserver.server.service import method_handler
 from paramserver.serving.copy import ShardCopy
 from paramserver.serving.follower import INTERVAL_S, Follower, wait_until
+from paramserver.serving.lookup_socket import LookupSocket
 from paramserver.serving.seed import seed
 from paramserver.tables import TableSpec, shard_of, spec_from_proto, spec_to_proto
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
@@ -67,6 +68,7 @@ class ServingCopies:
             raise InvalidArgument(f"no shard {wrong[0]}: the job has {self.num_shards} (0..{self.num_shards - 1})")
         self.copies: dict[int, ShardCopy] = {i: ShardCopy(i, self.tables) for i in held}
         self._locks = [self.copies[i].lock for i in sorted(self.copies)]
+        self.lookup_socket: LookupSocket | None = None  # serve() opens it
         replicas = list(topology.replicas)
         per = len(replicas) // self.num_shards if replicas else 0
         self.followers = [
@@ -84,6 +86,8 @@ class ServingCopies:
             f.start()
 
     def stop(self) -> None:
+        if self.lookup_socket is not None:
+            self.lookup_socket.close()
         for f in self.followers:
             f.stop(wait=False)  # all at once: each may be in a long poll
         for f in self.followers:
@@ -214,6 +218,7 @@ class ServingCopies:
             freshness_p99=p99,
             freshness_answers=len(fresh),
             held=sorted(self.copies),
+            lookup_port=self.lookup_socket.port if self.lookup_socket is not None else 0,
         )
 
 
@@ -312,13 +317,17 @@ def serve(
     timeout: float = 60,
     interval: float = INTERVAL_S,
     seed_from: str | None = None,
+    lookup_port: int | None = 0,
 ) -> tuple[grpc.Server, ServingCopies, int]:
     """Start serving copies of the job at `address`, each asking its shard for changes at most every `interval`
     seconds: return the started server, the copies, and the bound port. With `seed_from` (a model file of the job's
-    model: PSClient.save), they serve its values at once, until each has taken its shard's whole state."""
+    model: PSClient.save), they serve its values at once, until each has taken its shard's whole state. Lookups are
+    also answered on a TCP socket at `lookup_port` (0: any free port; None: none), named in ServingStatus."""
     copies = ServingCopies(contact(address, timeout), shards, interval)
     if seed_from is not None:
         seed(copies.copies, copies.topology, copies.tables, seed_from)
+    if lookup_port is not None:
+        copies.lookup_socket = LookupSocket(copies.lookup, host, lookup_port, MAX_MESSAGE_BYTES)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=_OPTIONS)
     bound = server.add_insecure_port(f"{host}:{port}")
     if not bound:

@@ -596,7 +596,7 @@ class ServingStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServingStatus(_message.Message):
-    __slots__ = ("versions", "ready", "model_digest", "tables", "specs", "shards", "silent_seconds", "freshness_p50", "freshness_p99", "freshness_answers", "held")
+    __slots__ = ("versions", "ready", "model_digest", "tables", "specs", "shards", "silent_seconds", "freshness_p50", "freshness_p99", "freshness_answers", "held", "lookup_port")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -608,6 +608,7 @@ class ServingStatus(_message.Message):
     FRESHNESS_P99_FIELD_NUMBER: _ClassVar[int]
     FRESHNESS_ANSWERS_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_PORT_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedScalarFieldContainer[int]
     ready: bool
     model_digest: str
@@ -619,4 +620,5 @@ class ServingStatus(_message.Message):
     freshness_p99: float
     freshness_answers: int
     held: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, versions: _Optional[_Iterable[int]] = ..., ready: _Optional[bool] = ..., model_digest: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shards: _Optional[int] = ..., silent_seconds: _Optional[_Iterable[float]] = ..., freshness_p50: _Optional[float] = ..., freshness_p99: _Optional[float] = ..., freshness_answers: _Optional[int] = ..., held: _Optional[_Iterable[int]] = ...) -> None: ...
+    lookup_port: int
+    def __init__(self, versions: _Optional[_Iterable[int]] = ..., ready: _Optional[bool] = ..., model_digest: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shards: _Optional[int] = ..., silent_seconds: _Optional[_Iterable[float]] = ..., freshness_p50: _Optional[float] = ..., freshness_p99: _Optional[float] = ..., freshness_answers: _Optional[int] = ..., held: _Optional[_Iterable[int]] = ..., lookup_port: _Optional[int] = ...) -> None: ...

@@ -7,6 +7,9 @@ answer is every shard's at one version (`versions`).
 
 from __future__ import annotations
 
+import logging
+import socket
+import struct
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -17,23 +20,88 @@ import numpy as np
 import torch
 from torch import nn
 
-from paramserver.errors import from_rpc_error
+from paramserver.errors import FailedPrecondition, from_rpc_error, from_status
 from paramserver.placement import TensorSpec, place
 from paramserver.tables import TableSpec, shard_of, spec_from_proto
+from paramserver.transport.socket_client import split_host
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
+from paramserver.wire.frames import recv_exact
 from worker.client.sparse import SparseEmbedding, tables_of, without_rows
 
 _OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
+SOCKET_PAUSE_S = 30.0  # a lookup socket that failed is tried again after this (gRPC meanwhile)
+_LENGTH = struct.Struct("<I")  # the lookup socket's frame length (paramserver.serving.lookup_socket)
+log = logging.getLogger(__name__)
+
+
+def _socket_error(body: bytes, address: str) -> Exception:
+    """The PSError a lookup socket's error body names (paramserver.wire.frames.error_body)."""
+    code = next((c for c in grpc.StatusCode if c.value[0] == body[0]), grpc.StatusCode.UNKNOWN) if body else None
+    named = body[2 : 2 + body[1]].decode() if len(body) > 1 else ""
+    detail = body[2 + body[1] :].decode(errors="replace") if len(body) > 1 else "an empty error"
+    return from_status(code or grpc.StatusCode.UNKNOWN, detail, named or None, address)
 
 
 class _Copies:
-    """One ps-serve process: its channel and the shards it holds copies of."""
+    """One ps-serve process: its channel, its lookup socket (when it has one this client reaches), and the shards
+    it holds copies of."""
 
     def __init__(self, address: str) -> None:
         self.address = address
         self.channel = grpc.insecure_channel(address, options=_OPTIONS)
         self.stub = ps_pb2_grpc.ServingStub(self.channel)
         self.held: tuple[int, ...] = ()
+        self.lookup_port = 0
+        self._socket: socket.socket | None = None
+        self._socket_lock = threading.Lock()
+        self._socket_again = 0.0  # after a failure, gRPC alone until then
+
+    def lookup(self, request: ps_pb2.LookupRequest, timeout: float) -> ps_pb2.LookupReply:
+        """A Lookup over the process's lookup socket (SPEC.md section 17), or over gRPC where that cannot be
+        reached (a port not exposed, a process of before the socket)."""
+        if self.lookup_port and time.monotonic() >= self._socket_again:
+            body = request.SerializeToString()
+            with self._socket_lock:
+                try:
+                    kind, answer = self._over_socket(body, timeout)
+                except OSError as exc:
+                    log.info("the lookup socket of %s failed (%s): gRPC for %.0f s", self.address, exc, SOCKET_PAUSE_S)
+                    self._drop_socket()
+                    self._socket_again = time.monotonic() + SOCKET_PAUSE_S
+                else:
+                    if kind == 0:
+                        return ps_pb2.LookupReply.FromString(answer)
+                    raise _socket_error(answer, self.address)
+        try:
+            return self.stub.Lookup(request, timeout=timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.address) from None
+
+    def _over_socket(self, body: bytes, timeout: float) -> tuple[int, bytes]:
+        if self._socket is None:
+            self._socket = socket.create_connection((split_host(self.address), self.lookup_port), timeout=timeout)
+            self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = self._socket
+        sock.settimeout(timeout)
+        sock.sendall(_LENGTH.pack(len(body)) + body)
+        head = recv_exact(sock, _LENGTH.size)
+        if head is None:
+            raise ConnectionError("the lookup socket closed")
+        (length,) = _LENGTH.unpack(head)
+        answer = recv_exact(sock, length)
+        if answer is None or not length:
+            raise ConnectionError("the lookup socket closed mid-answer")
+        return answer[0], answer[1:]
+
+    def _drop_socket(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+    def close(self) -> None:
+        with self._socket_lock:
+            self._drop_socket()
+        self.channel.close()
 
     def wait_ready(self, deadline: float) -> ps_pb2.ServingStatus:
         while True:
@@ -43,6 +111,7 @@ class _Copies:
                 if status.ready:
                     # A process of before `held` holds every shard.
                     self.held = tuple(status.held) if status.held else tuple(range(status.shards))
+                    self.lookup_port = status.lookup_port
                     return status
             except grpc.RpcError as err:
                 if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -71,7 +140,7 @@ class ServingClient:
 
     def close(self) -> None:
         for p in self._processes:
-            p.channel.close()
+            p.close()
 
     def __enter__(self) -> ServingClient:
         return self
@@ -94,18 +163,20 @@ class ServingClient:
         status = ps_pb2.ServingStatus()
         status.CopyFrom(got[0])
         by_address = dict(zip((p.address for p in self._processes), got, strict=True))
-        versions = [by_address[self._reader[s].address].versions[s] for s in range(status.shards)]
+        versions = [
+            by_address[self._reader[s].address].versions[s] if s in self._reader else 0 for s in range(status.shards)
+        ]
         del status.versions[:]
         status.versions.extend(versions)
         status.ready = all(g.ready for g in got)
         del status.held[:]
-        status.held.extend(range(status.shards))
+        status.held.extend(sorted(self._reader))
         self.versions = tuple(versions)
         return status
 
     def wait_ready(self, timeout: float) -> ps_pb2.ServingStatus:
-        """Wait until every shard's copy holds a whole version (TimeoutError after `timeout` seconds); check that
-        the processes serve one model and hold every shard between them."""
+        """Wait until every process's copies hold a whole version (TimeoutError after `timeout` seconds); check
+        that the processes serve one model. A lookup of IDs of a shard none of them holds is refused."""
         deadline = time.monotonic() + timeout
         got = [p.wait_ready(deadline) for p in self._processes]
         first = got[0]
@@ -121,12 +192,6 @@ class ServingClient:
         for p in self._processes:
             for shard in p.held:
                 self._reader.setdefault(shard, p)
-        missing = sorted(set(range(first.shards)) - set(self._reader))
-        if missing:
-            raise ValueError(
-                f"no process at {self.address} holds a copy of shard(s) {missing} of {first.shards}: start "
-                "ps-serve --shard-index for them, or name the process that holds them"
-            )
         return self._merged(got)
 
     @property
@@ -144,21 +209,22 @@ class ServingClient:
         ids = [np.ascontiguousarray(np.asarray(asked[n]), dtype="<i8").reshape(-1) for n in names]
         out = {n: np.empty((len(i), self.tables[n].dim), np.float32) for n, i in zip(names, ids, strict=True)}
         readers = sorted({id(p): p for p in self._reader.values()}.values(), key=lambda p: p.address)
-        owners = [shard_of(i, self._shards) for i in ids] if len(readers) > 1 else []
-        calls = []
+        whole = len(readers) == 1 and len(self._reader) == self._shards  # one process holds every shard
+        owners = [] if whole else [shard_of(i, self._shards) for i in ids]
+        lacking = sorted({int(s) for o in owners for s in np.unique(o)} - set(self._reader))
+        if lacking:
+            raise FailedPrecondition(
+                f"no serving process at {self.address} holds a copy of shard(s) {lacking}: start ps-serve "
+                "--shard-index for them, or name the process that holds them"
+            )
+        versions = [0] * self._shards
         for p in readers:
             mine = [np.isin(o, [s for s, r in self._reader.items() if r is p]) for o in owners]
             sent = [i[m] for i, m in zip(ids, mine, strict=True)] if mine else ids
             request = ps_pb2.LookupRequest(
                 tables=[ps_pb2.ServingIds(table=n, ids=i.tobytes()) for n, i in zip(names, sent, strict=True)]
             )
-            calls.append((p, mine, p.stub.Lookup.future(request, timeout=self.timeout)))
-        versions = [0] * self._shards
-        for p, mine, call in calls:
-            try:
-                reply = call.result()
-            except grpc.RpcError as err:
-                raise from_rpc_error(err, p.address) from None
+            reply = p.lookup(request, self.timeout)
             for k, (n, raw) in enumerate(zip(names, reply.rows, strict=True)):
                 rows = np.frombuffer(raw, "<f4").reshape(-1, self.tables[n].dim)
                 out[n][mine[k] if mine else slice(None)] = rows
@@ -205,7 +271,9 @@ class ServingClient:
         return self.versions
 
     def _pull_shard(self, shard: int) -> tuple[int, np.ndarray]:
-        reader = self._reader[shard]
+        reader = self._reader.get(shard)
+        if reader is None:
+            raise FailedPrecondition(f"no serving process at {self.address} holds a copy of shard {shard}")
         try:
             messages = iter(reader.stub.Pull(ps_pb2.ServingPullRequest(shard=shard), timeout=self.timeout))
             head = next(messages).header
