@@ -30,7 +30,8 @@ install: $(STAMP)
 
 ## demo: 2 shards + 2 workers train the CNN on scikit-learn's digits (MODE=sync|async|ssp; DATA=sharded: streamed
 ## from shards over HTTP, warmup-cosine); MODEL=recsys: a recommendation job from the command line (planted click logs
-## as Criteo files, ps-prepare --format criteo, ps-server, two ps-worker --model dlrm; AUC against local training)
+## as Criteo files, ps-prepare --format criteo, ps-server, two ps-worker --model dlrm; AUC against local training);
+## MODEL=online: continuous training (log files landing, ps-prepare --follow, two ps-worker --follow, ps-serve)
 demo: $(STAMP)
 	$(PY) -m worker.demos.demo --mode $(MODE) --shards $(SHARDS) --workers $(WORKERS) --port $(PORT) --model $(MODEL) --data $(DATA) $(DEMO_ARGS)
 

@@ -14,6 +14,9 @@ against plain torch: CPU per sample and step time; then workers x shards and 1 t
 else skipped),
 replication (--replicas 2: the push + pull against one copy, failover and catch-up times, with a real etcd),
 serving (serving copies beside a DLRM job: the cost to its samples/s, freshness, lookup latency, a cold start),
+online (click log files landing while ps-prepare --follow, 2 ps-worker --follow and ps-serve run: each file's lag
+to serving against preparing and training it alone, a drifting day's shard memory, the AUC on the next file against
+training from scratch, the samples per file after SIGKILLs of ps-prepare and of workers),
 link (training over a bandwidth-limited link between network namespaces, with and
 without ps-worker --overlap; needs root, else skipped), overlap_backward (training over such links with and without
 ps-worker --overlap-backward; root), stream (CNN steps fed from shards over HTTP through a
@@ -47,6 +50,7 @@ from bench import (  # noqa: E402
     hosts,
     link,
     memory,
+    online,
     overlap_backward,
     replication,
     report,
@@ -77,6 +81,7 @@ SECTIONS = {
     "overlap_backward": overlap_backward.run,
     "hosts": hosts.run,
     "stream": stream.run,
+    "online": online.run,
     "third_party": third_party.run,
 }
 DEFAULT_OUT = ROOT / "bench" / "results"

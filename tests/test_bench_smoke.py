@@ -30,6 +30,7 @@ SECTIONS = (
     "sparse_peer",
     "replication",
     "serving",
+    "online",
     "link",
     "compress",
     "hosts",

@@ -36,7 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="cnn",
         help="model for ps-worker --model; 'recsys': the recommendation job instead (python -m worker.demos.recsys: "
         "planted click logs as Criteo files, ps-prepare --format criteo, 2 shards and 2 ps-worker --model dlrm in sync "
-        "mode, against the same model trained locally)",
+        "mode, against the same model trained locally); 'online': continuous training instead (python -m "
+        "worker.demos.online: click log files landing every few seconds, ps-prepare --follow, 2 ps-worker --follow, "
+        "ps-serve; per file landed -> prepared -> trained -> visible in serving)",
     )
     parser.add_argument(
         "--data",
@@ -47,6 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args, extra = parser.parse_known_args(argv)
+    if args.model == "online":
+        from worker.demos import online
+
+        return online.main(["--no-progress"] if args.no_progress else [])
     if args.model == "recsys":
         from worker.demos import recsys
 

@@ -66,7 +66,9 @@ class Followed:
 
     steps: Steps
     finished: bool  # it ended caught up (--follow-stop-when-idle), not stopped
-    shards: list[tuple[int, int]] = field(default_factory=list)  # (dataset shard, samples) it trained whole
+    shards: list[tuple[int, int, float]] = field(
+        default_factory=list
+    )  # (dataset shard, samples, seconds) trained whole
 
 
 def follow(job: Job, client: PSClient, on_step: Callable[[int, float], None] | None, stop: threading.Event) -> Followed:
@@ -124,11 +126,12 @@ def _loop(job: Job, client: PSClient, claims: DatasetClaims, done: Followed, sto
             client.set_idle(False)
             client.pull(job.model)
             idle_since = None
+        began = time.monotonic()
         trained = _train_shard(job, done.steps, index, stop)
         if trained is None:
             break  # stopped mid-shard: leaving frees it, and another worker trains it from its start
         last, samples = index, trained
-        done.shards.append((index, trained))
+        done.shards.append((index, trained, time.monotonic() - began))
     _finish_last(claims, last, samples)
     return False
 

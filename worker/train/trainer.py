@@ -85,7 +85,8 @@ def train(
             (steps, first), finished = _epochs(job, client, on_step), True
         metrics = _summary(job, client, steps, first)
         if config.follow:
-            metrics["dataset_shards"] = [{"shard": i, "samples": n} for i, n in followed.shards]
+            shards = followed.shards
+            metrics["dataset_shards"] = [{"shard": i, "samples": n, "seconds": round(t, 4)} for i, n, t in shards]
         if config.save_model:
             client.save(job.model, config.save_model)
         client.leave(finished=finished)
