@@ -13,8 +13,9 @@ child with `paramserver.serving.server.serve` (what ps-serve runs), read with `S
   wall clock; FollowMessage.Header.oldest_applied); the copy's clock when it applied the answer minus that, for
   every answer of both copies during the attached windows: a push's rows are visible at most this long after the
   shard applied them (the push is acknowledged after that). Same host: one clock.
-- lookup latency: 26 IDs a request (one per table, the hot IDs of the planted logs' Zipf), paced at 1,000
-  requests/s from another process for a few seconds while training goes on: p50 and p99 of the round trip.
+- lookup latency: 26 IDs a request (one per table, the hot IDs of the planted logs' Zipf), paced at 300 and 1,000
+  requests/s from another process for a few seconds while training goes on, and at 1,000/s once it is over: p50
+  and p99 of the round trip, over gRPC (Serving.Lookup) and over the lookup socket (pipelined on one connection).
 - cold start: a copy of one shard of a job whose bounded table holds 10 M rows (dim 16, the model's given initial
   rows), from the copy's start to ready (a whole state taken a page of slots at a time, then the changes since).
 """
@@ -35,6 +36,7 @@ from bench.plan import Plan
 SECTION = "serving"
 TIMEOUT = 300.0
 BATCH = 2048
+VIAS = ("grpc", "socket")  # the Serving service, and the lookup socket ServingClient prefers
 
 
 def _sizes(plan: Plan) -> dict[str, Any]:
@@ -45,7 +47,7 @@ def _sizes(plan: Plan) -> dict[str, Any]:
         "window": 12.0,
         "rounds": 3,
         "load_s": 5.0,
-        "rates": (100, 300, 1000),
+        "rates": (300, 1000),
         "cold_rows": 10_000_000,
     }
 
@@ -78,8 +80,10 @@ def _copies(chan: Channel, params: dict[str, Any]) -> None:
 
 
 def _load(chan: Channel, params: dict[str, Any]) -> None:
-    """Lookups of one ID per table (26 IDs a request), paced at params["rate"] a second for params["seconds"];
-    sends the round trips (s)."""
+    """Lookups of one ID per table (26 IDs a request), paced at params["rate"] a second for params["seconds"], over
+    params["via"]: "grpc" (the Serving service) or "socket" (the lookup socket, pipelined on one connection); sends
+    the round trips (s). Open loop: each request leaves at its time, whether the ones before have been answered or
+    not (a closed loop would measure the server's pace, not its latency at the offered rate)."""
     import grpc
     import numpy as np
 
@@ -88,37 +92,80 @@ def _load(chan: Channel, params: dict[str, Any]) -> None:
     rng = np.random.default_rng(0)
     with grpc.insecure_channel(params["address"]) as channel:
         stub = ps_pb2_grpc.ServingStub(channel)
-        specs = list(stub.Status(ps_pb2.ServingStatusRequest()).tables)
-        tables = [t.name for t in specs]
-        bound = np.array([t.num_embeddings or 1000 for t in specs], dtype=np.int64)
+        status = stub.Status(ps_pb2.ServingStatusRequest())
+        bound = np.array([t.num_embeddings or 1000 for t in status.tables], dtype=np.int64)
         requests = []
         for _ in range(256):
-            ids = (rng.zipf(1.2, len(tables)) % np.minimum(bound, 1000)).astype("<i8")
-            requests.append(
-                ps_pb2.LookupRequest(
-                    tables=[ps_pb2.ServingIds(table=t, ids=ids[k : k + 1].tobytes()) for k, t in enumerate(tables)]
-                )
-            )
-        for r in requests[:50]:  # warm-up
-            stub.Lookup(r)
-        # Open loop: each request leaves at its time, whether the ones before have been answered or not (a closed
-        # loop would measure the server's pace, not its latency at the offered rate).
-        took: list[float] = []
-        pending = []
-        interval = 1.0 / params["rate"]
-        began = time.perf_counter()
+            ids = (rng.zipf(1.2, len(bound)) % np.minimum(bound, 1000)).astype("<i8")
+            entries = [
+                ps_pb2.ServingIds(table=t.name, ids=ids[k : k + 1].tobytes()) for k, t in enumerate(status.tables)
+            ]
+            requests.append(ps_pb2.LookupRequest(tables=entries))
         n = int(params["rate"] * params["seconds"])
+        if params["via"] == "socket":
+            took, began = _over_socket(params["address"], status.lookup_port, requests, n, 1.0 / params["rate"])
+        else:
+            took, began = _over_grpc(stub, requests, n, 1.0 / params["rate"])
+        chan.send("latency", seconds=took, achieved=n / (time.perf_counter() - began))
+
+
+def _over_grpc(stub: Any, requests: list[Any], n: int, interval: float) -> tuple[list[float], float]:
+    for r in requests[:50]:  # warm-up
+        stub.Lookup(r)
+    took: list[float] = []
+    pending = []
+    began = time.perf_counter()
+    for i in range(n):
+        wait = began + i * interval - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        t0 = time.perf_counter()
+        call = stub.Lookup.future(requests[i % len(requests)])
+        call.add_done_callback(lambda _, t0=t0: took.append(time.perf_counter() - t0))
+        pending.append(call)
+    for call in pending:
+        call.result()
+    return took, began
+
+
+def _over_socket(address: str, port: int, requests: list[Any], n: int, interval: float) -> tuple[list[float], float]:
+    import socket
+    import struct
+    import threading
+
+    frames = [struct.pack("<I", len(b)) + b for b in (r.SerializeToString() for r in requests)]
+    sock = socket.create_connection((address.rpartition(":")[0], port), timeout=TIMEOUT)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def answer() -> None:
+        (length,) = struct.unpack("<I", sock.recv(4, socket.MSG_WAITALL))
+        body = sock.recv(length, socket.MSG_WAITALL)
+        if body[:1] != b"\x00":
+            raise RuntimeError(f"the lookup socket refused a request: {body[1:]!r}")
+
+    with sock:
+        for f in frames[:50]:  # warm-up
+            sock.sendall(f)
+            answer()
+        sent: list[float] = []
+        took: list[float] = []
+
+        def read() -> None:
+            for k in range(n):
+                answer()
+                took.append(time.perf_counter() - sent[k])
+
+        reader = threading.Thread(target=read)
+        began = time.perf_counter()
+        reader.start()
         for i in range(n):
             wait = began + i * interval - time.perf_counter()
             if wait > 0:
                 time.sleep(wait)
-            t0 = time.perf_counter()
-            call = stub.Lookup.future(requests[i % len(requests)])
-            call.add_done_callback(lambda _, t0=t0: took.append(time.perf_counter() - t0))
-            pending.append(call)
-        for call in pending:
-            call.result()
-        chan.send("latency", seconds=took, achieved=n / (time.perf_counter() - began))
+            sent.append(time.perf_counter())
+            sock.sendall(frames[i % len(frames)])
+        reader.join()
+    return took, began
 
 
 def _cold_job(chan: Channel, params: dict[str, Any]) -> None:
@@ -220,7 +267,8 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
                 on_cpu.append(cpu)
                 if r == 0:
                     for rate in sizes["rates"]:
-                        latency.append(_latency(procs, ports[0], rate, sizes["load_s"], "while training"))
+                        for via in VIAS:
+                            latency.append(_latency(procs, ports[0], rate, sizes["load_s"], "while training", via))
                 for c in copies:
                     c.send(do="freshness")
                     fresh += c.expect("freshness", 30)["samples"]
@@ -231,7 +279,8 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
             trainer.wait(timeout=30)
         idle = procs.child(SECTION, "copies", {"address": address}, name="serving-copies-idle")
         port = idle.expect("ready", TIMEOUT)["port"]
-        latency.append(_latency(procs, port, sizes["rates"][-1], sizes["load_s"], "training over"))
+        for via in VIAS:
+            latency.append(_latency(procs, port, sizes["rates"][-1], sizes["load_s"], "training over", via))
         procs.close_children([idle])
     params = {"tables": 26, "batch": BATCH, "shards": 2, "copies": 2, "window_s": sizes["window"]}
     figures.append(
@@ -258,17 +307,20 @@ def run(plan: Plan, procs: Processes) -> list[Figure]:
     return figures
 
 
-def _latency(procs: Processes, port: int, rate: int, seconds: float, when: str) -> Figure:
-    """Lookups of 26 IDs offered at `rate` a second to the copies on `port`: their p99 (p50 and the rate the
-    generator reached in `extra`)."""
-    load = procs.child(SECTION, "load", {"address": f"127.0.0.1:{port}", "rate": rate, "seconds": seconds})
-    got = load.expect("latency", TIMEOUT)
+def _latency(procs: Processes, port: int, rate: int, seconds: float, when: str, via: str) -> Figure:
+    """Lookups of 26 IDs offered at `rate` a second to the copies on `port` over `via` (grpc, socket): their p99
+    (p50 and the rate the generator reached in `extra`)."""
+    params = {"address": f"127.0.0.1:{port}", "rate": rate, "seconds": seconds, "via": via}
+    got = procs.child(SECTION, "load", params).expect("latency", TIMEOUT)
     took = got["seconds"]
     q = statistics.quantiles(took, n=100) if len(took) >= 2 else [float("nan")] * 99
     extra = {"p50_ms": median(took) * 1e3, "offered_per_s": got["achieved"]}
     key = "training" if when == "while training" else "idle"
-    title = f"Lookup of 26 IDs at {rate}/s, {when}, p99"
-    return Figure(f"{SECTION}.lookup.{key}.{rate}", SECTION, title, "ms", [q[98] * 1e3], {"rate": rate}, extra=extra)
+    title = f"Lookup of 26 IDs at {rate}/s over {'gRPC' if via == 'grpc' else 'the lookup socket'}, {when}, p99"
+    figure_params = {"rate": rate, "via": via}
+    return Figure(
+        f"{SECTION}.lookup.{via}.{key}.{rate}", SECTION, title, "ms", [q[98] * 1e3], figure_params, extra=extra
+    )
 
 
 def _cold_start(procs: Processes, rows: int) -> Figure:
