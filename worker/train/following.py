@@ -66,9 +66,8 @@ class Followed:
 
     steps: Steps
     finished: bool  # it ended caught up (--follow-stop-when-idle), not stopped
-    shards: list[tuple[int, int, float]] = field(
-        default_factory=list
-    )  # (dataset shard, samples, seconds) trained whole
+    # (dataset shard, samples, seconds) of each it trained whole
+    shards: list[tuple[int, int, float]] = field(default_factory=list)
 
 
 def follow(job: Job, client: PSClient, on_step: Callable[[int, float], None] | None, stop: threading.Event) -> Followed:
@@ -104,7 +103,11 @@ def _loop(job: Job, client: PSClient, claims: DatasetClaims, done: Followed, sto
     assert isinstance(data, StreamedDataset)
     last, samples = -1, 0  # the last shard trained whole, said with every claim (a finish lost is said again)
     idle_since: float | None = None
+    fresh = True  # the manifest was just read (the dataset was opened)
     while not stop.is_set():
+        if not fresh:
+            _reload(data)  # before every claim: a shard listed meanwhile is claimed at once
+        fresh = False
         listed = len(data.manifest.splits["train"].shards)
         try:
             index = claims.claim(listed, last, samples)
@@ -119,8 +122,7 @@ def _loop(job: Job, client: PSClient, claims: DatasetClaims, done: Followed, sto
             if 0 < config.follow_stop_when_idle <= time.monotonic() - idle_since:
                 _finish_last(claims, last, samples)
                 return True
-            if not stop.wait(config.follow_poll_seconds):
-                _reload(data)
+            stop.wait(config.follow_poll_seconds)
             continue
         if idle_since is not None:  # counted in every shard's rounds again, on their current weights
             client.set_idle(False)
