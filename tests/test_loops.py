@@ -6,12 +6,13 @@ loop trained locally (torch's SGD on nn.Embedding) on the same batches."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from paramserver.config import ServerConfig
 from paramserver.server.cluster import LocalCluster
@@ -127,6 +128,54 @@ def test_rows_come_right_when_the_loop_itself_reads_ahead(
         want = reference(*(t[:64] for t in _data().tensors[:3]))
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
     assert lookups.single == 0 and lookups.grouped == 2, (lookups.single, lookups.grouped)
+
+
+# -- each rank its part of the data: torch's DistributedSampler with the client's rank and world size ---------------
+
+
+def test_a_distributed_sampler_with_the_clients_rank_gives_each_worker_its_half_and_equals_local(
+    ps_cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    workers, steps = 2, STEPS // 2
+    cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=workers, optimizer="sgd", lr=LR), shards=2)
+    data = _data()
+    models = [make_sparse(Clicks()) for _ in range(workers)]  # one after the other: Clicks seeds torch's global RNG
+
+    def worker(model: nn.Module) -> tuple[int, list[int], torch.Tensor]:
+        seen: list[int] = []
+        with PSClient(cluster.address) as client:
+            sampler = DistributedSampler(data, num_replicas=client.world_size, rank=client.rank, seed=0)
+            opt = PSOptimizer(model, client)
+            sampler.set_epoch(0)
+            for *x, y in DataLoader(data, batch_size=BATCH // workers, sampler=sampler):
+                opt.zero_grad()
+                nn.functional.binary_cross_entropy_with_logits(model(*x), y).backward()
+                opt.step()
+            seen.extend(sampler)
+            with torch.no_grad():
+                got = model(*(t[:64] for t in data.tensors[:3]))
+            client.leave(finished=True)
+            return client.rank, seen, got
+
+    with ThreadPoolExecutor(workers) as pool:
+        runs = [pool.submit(worker, m) for m in models]
+        outcomes = [run.result(timeout=100) for run in runs]
+
+    # locally: the combined batches, in the one order the ranks' shuffles share (seed 0, epoch 0)
+    everyone = list(DistributedSampler(data, num_replicas=1, rank=0, seed=0))
+    reference = Clicks()
+    opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    for *x, y in DataLoader(data, batch_size=BATCH, sampler=everyone):
+        opt.zero_grad()
+        nn.functional.binary_cross_entropy_with_logits(reference(*x), y).backward()
+        opt.step()
+    with torch.no_grad():
+        want = reference(*(t[:64] for t in data.tensors[:3]))
+    assert sorted(rank for rank, _, _ in outcomes) == [0, 1]
+    halves = [seen for _, seen, _ in outcomes]
+    assert len(halves[0]) == len(halves[1]) == BATCH * steps and not set(halves[0]) & set(halves[1])
+    for rank, _, got in outcomes:
+        assert torch.allclose(got, want, atol=1e-5), (rank, (got - want).abs().max())
 
 
 # -- PSOptimizer catches up: a Lightning job's worker evicted mid-run -------------------------------------------------

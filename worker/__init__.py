@@ -3,8 +3,9 @@ while the next step computes, `SparseEmbedding` for embedding tables held by the
 training loop. For a model and a loop written for plain torch: `make_sparse` (its embeddings onto the shards),
 `PSOptimizer` (a torch.optim.Optimizer whose step is an exchange), `prefetching` (each batch's rows brought by the
 exchange before it), `PSClient.save` and `load` (the trained model,
-tables included, in one safetensors file, served without servers); `ServingClient` and `serve` read a model from
-serving copies that follow training (ps-serve).
+tables included, in one safetensors file, served without servers); `ParameterServerStrategy` for PyTorch
+Lightning's Trainer (it alone loads Lightning); `ServingClient` and `serve` read a model from serving copies that
+follow training (ps-serve).
 
 These names load on first use, so that what needs none of them (ps-prepare, which never trains) does not load
 torch: 1.9 s and about 200 MB of a ps-prepare process otherwise.
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from worker.client.model_file import load
     from worker.client.serving import ServingClient, serve
     from worker.client.sparse import SparseEmbedding
+    from worker.lightning import ParameterServerStrategy
     from worker.models.convert import make_sparse
     from worker.prefetch import grouped_lookups, prefetching
     from worker.train.optimizer import PSOptimizer
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Overlap",
     "PSClient",
+    "ParameterServerStrategy",
     "PSOptimizer",
     "ServingClient",
     "SparseEmbedding",
@@ -49,6 +52,7 @@ _WHERE = {
     "load": "worker.client.model_file",
     "ServingClient": "worker.client.serving",
     "serve": "worker.client.serving",
+    "ParameterServerStrategy": "worker.lightning",
 }
 
 

@@ -15,7 +15,8 @@ Memory stays at a message (about 1 MiB) per shard. The dense part is read back b
 read every file with safetensors' own reader.
 
 `load` fills a converted model (each table answers from the file) or the plain model it was converted from (each
-bounded table's rows copied into the nn.Embedding / nn.EmbeddingBag at its path: worker.client.plain).
+bounded table's rows copied into the nn.Embedding / nn.EmbeddingBag at its path: worker.client.plain), or either
+of them inside the model that was saved (a LightningModule's `self.net`: worker.client.model_names).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch import nn
 from paramserver.files import temporary_beside
 from paramserver.tables import Initialiser, TableSpec, shard_of
 from paramserver.v1 import ps_pb2
+from worker.client.model_names import file_prefix
 from worker.client.plain import fill_embedding, plain_fit
 from worker.client.sparse import SparseEmbedding, tables_of, without_rows
 
@@ -296,15 +298,17 @@ def load(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
     make_sparse, each bounded table then filling the weight of the nn.Embedding / nn.EmbeddingBag at its path (the
     file's rows, and the table's initial rule for every row the file lacks: what the shards would answer), so that
     it predicts as the trained model and torch.export, ONNX or TorchServe take it. The dense tensors and buffers
-    are copied in. ValueError when the file is no such model file or does not fit this model (an unbounded table
-    fits no plain module), saying what would."""
+    are copied in. A file saved from a wrapper (a LightningModule whose PSOptimizer(self, client) registered it)
+    also loads into the model it wraps (`self.net`): its entries under the one prefix that holds every name of the
+    model are taken, the prefix taken off (worker.client.model_names). ValueError when the file is no such model
+    file or does not fit this model (an unbounded table fits no plain module), saying what would."""
     from safetensors import safe_open
 
     header, data_at = _read_header(path)
     metadata = header.get("__metadata__", {})
     if metadata.get("format") != FORMAT:
         raise ValueError(f"{path} is not a model file written by PSClient.save (format {metadata.get('format')!r})")
-    saved = {t["path"]: t for t in json.loads(metadata["tables"])}
+    header, saved, under = _under_prefix(model, header, json.loads(metadata["tables"]), path)
     mine, plain = _targets(model, saved, path)
     specs = {name: TableSpec(**saved[name]["spec"]) for name in saved}
     for name, module in plain.items():
@@ -329,7 +333,7 @@ def load(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
         )
     with safe_open(os.fspath(path), framework="pt") as f, torch.no_grad():
         for name, target in state.items():
-            value = f.get_tensor(name)
+            value = f.get_tensor(under + name)
             if value.shape != target.shape:
                 raise ValueError(f"{name}: the file's is {list(value.shape)}, the model's {list(target.shape)}")
             target.copy_(value)
@@ -342,6 +346,30 @@ def load(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
             mine[name].attach(FileRows(specs[name], ids, values, saved[name]["segments"]))
             mine[name].given = None  # the file's rows replace the ones the model was built with
     return model
+
+
+def _under_prefix(
+    model: nn.Module, header: dict[str, Any], tables: list[dict[str, Any]], path: str | os.PathLike[str]
+) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """The file's header entries and tables that are `model`'s, named as in the model, and the prefix taken off
+    their names: a file saved from a wrapper (a LightningModule's `self.net`) fits the model inside it
+    (worker.client.model_names states the rule)."""
+    table_keys = {f"{t['path']}.{s}" for t in tables for s in ("ids", "values", "optimizer_state")}
+    shapes = {name: tuple(e["shape"]) for name, e in header.items() if name not in table_keys | {"__metadata__"}}
+    for t in tables:
+        shapes[f"{t['path']}.weight"] = (t["spec"].get("num_embeddings", 0), t["spec"]["dim"])
+    try:
+        prefix = file_prefix(model, shapes)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if prefix:
+        log.info("the file's entries under %r are the model's (the rest left out)", prefix)
+    cut = len(prefix)
+    entries = {
+        name[cut:]: entry for name, entry in header.items() if name.startswith(prefix) and name != "__metadata__"
+    }
+    saved = {t["path"][cut:]: t for t in tables if t["path"].startswith(prefix)}
+    return entries, saved, prefix
 
 
 def _targets(

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from paramserver.errors import PSError, PullTimeout
+from paramserver.errors import ModelMismatch, PSError, PullTimeout
 from paramserver.modes import mode_name
 from paramserver.placement import SLICE_ELEMENTS, Placement, TensorSpec, place
 from paramserver.security import channel_credentials, client_ssl_context
@@ -37,6 +37,7 @@ from worker.client.feed import GradientFeed
 from worker.client.host_group import HostGroup
 from worker.client.link import Session, ShardLink
 from worker.client.membership import Membership
+from worker.client.model_names import registered_kind, unlike_registered
 from worker.client.rows import SparseJob, TableRows, by_shard, lookup_jobs, row_jobs
 from worker.client.sparse import Prepared, SparseEmbedding, tables_of
 from worker.client.transports import INLINE_BYTES
@@ -155,6 +156,7 @@ class PSClient:
         self.group = group
         self._connect_timeout = connect_timeout
         self._step = 0
+        self._registered_kind = ""  # the registered model's class, for what save says of another model
         self._bindings: dict[int, Binding] = {}
         self._feed_pool: futures.ThreadPoolExecutor | None = None  # exchanges that follow backward (push_pull)
         # One exchange or lookup on the links at a time: a forward pass's lookup waits for an exchange that another
@@ -268,7 +270,7 @@ class PSClient:
         b = self._bind(obj)
         if not self._member:  # a host group's member gets the weights from its first process, which registers
             each(self._pool, self.links, lambda link: link.init(b))
-        self._session.registered = b
+        self._session.registered, self._registered_kind = b, registered_kind(obj)
         for index, module in enumerate(b.tables):
             module.attach(_Rows(self, b, index), b.uniques)
             module.given = None  # on the shards now (or theirs were adopted): memory back
@@ -277,9 +279,13 @@ class PSClient:
     def save(self, model: torch.nn.Module, path: str | os.PathLike[str], *, optimizer_state: bool = False) -> None:
         """Write the registered `model` to one safetensors file at `path`: its dense tensors and buffers as the shards
         hold them, and every table's rows, streamed shard by shard (see worker.client.model_file). `worker.load`
-        puts it into a model that then predicts with no server. `optimizer_state`: also each row's."""
+        puts it into a model that then predicts with no server. `optimizer_state`: also each row's. ModelMismatch,
+        saying which model was registered and how to save it, for another model (a LightningModule's inner one)."""
         if self._member:
             raise ValueError("a host group's model is saved by its first process (local rank 0), not by the others")
+        registered = self._session.registered
+        if registered is not None and registered.digest != self.digest(model):
+            raise ModelMismatch(unlike_registered(model, registered, self._registered_kind))
         group, self.group = self.group, None  # its pull is this process's alone: the group's others may be done
         try:
             model_file.save(self, model, path, optimizer_state=optimizer_state)
