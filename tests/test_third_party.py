@@ -1,11 +1,12 @@
-"""Other people's code, unchanged, trained through the servers: deepctr-torch 0.3.0's DeepFM by its own `fit()`, and
-a LightningModule by PyTorch Lightning's Trainer (automatic optimization). Each with nothing but `make_sparse` and
-`PSOptimizer`; two workers in a sync job (threads, each with its own client and model) equal the same code trained
-locally with torch's SGD on the combined batches.
+"""Other people's code, unchanged, trained through the servers: deepctr-torch 0.3.0's DeepFM by its own `fit()`, a
+LightningModule by PyTorch Lightning's Trainer (automatic optimization), and torch-rechub 0.9.0's DeepFM by its
+CTRTrainer. Each with nothing but `make_sparse` and `PSOptimizer`; two workers in a sync job (threads, each with its
+own client and model) equal the same code trained locally with torch's SGD on the combined batches.
 
-Both libraries are installed by the Makefile (deepctr-torch with --no-deps: its declared dependencies would pull
-more than the torch, tqdm and scikit-learn it uses). deepctr-torch asks PyPI for its latest version on import, in a
-thread: the test imports it with requests.get failing at once, and waits for that thread.
+The libraries are installed by the Makefile (deepctr-torch with --no-deps: its declared dependencies would pull
+more than the torch, tqdm and scikit-learn it uses; torch-rechub as the dev extra names it, adding pandas).
+deepctr-torch asks PyPI for its latest version on import, in a thread: the test imports it with requests.get
+failing at once, and waits for that thread.
 """
 
 from __future__ import annotations
@@ -429,3 +430,87 @@ def test_a_torch_lr_scheduler_on_the_ps_optimizer_is_refused_saying_where_schedu
         optimizer = PSOptimizer(model, client)
         with pytest.raises(TypeError, match=r"ps-server --lr-schedule"):
             scheduler(optimizer)
+
+
+# -- torch-rechub ----------------------------------------------------------------------------------------------------
+
+
+class _Clicks(torch.utils.data.Dataset[tuple[dict[str, torch.Tensor], torch.Tensor]]):
+    """torch-rechub's batches: a dict of feature name -> IDs, and the label."""
+
+    def __init__(self, rows: dict[str, np.ndarray], y: np.ndarray) -> None:
+        self.rows, self.y = rows, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        return {k: torch.tensor(v[i]) for k, v in self.rows.items()}, torch.tensor(self.y[i])
+
+
+def _rechub_deepfm() -> nn.Module:
+    from torch_rechub.basic.features import SparseFeature
+    from torch_rechub.models.ranking import DeepFM
+
+    torch.manual_seed(11)  # its tables draw their rows from torch's global RNG (N(0, 1e-4))
+    fields = [SparseFeature(name, vocab, embed_dim=8) for name, vocab in (("user", 100), ("item", 60), ("cat", 12))]
+    deep = [SparseFeature(f"deep_{f.name}", f.vocab_size, embed_dim=8) for f in fields]
+    # No hidden layer: torch-rechub's MLP puts a BatchNorm1d after each, whose batch statistics differ between two
+    # workers' halves and the combined batch (a worker's step is not the local step on the combined batch then).
+    return DeepFM(deep, fields, {"dims": []})
+
+
+def _rechub_rows(rows: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    g = np.random.default_rng(5)
+    ids = {name: g.integers(0, vocab, rows) for name, vocab in (("user", 100), ("item", 60), ("cat", 12))}
+    ids.update({f"deep_{name}": v for name, v in list(ids.items())})
+    y = ((ids["user"] % 3 == 0) ^ (ids["cat"] < 4)).astype(np.float32)
+    return ids, y
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["grouped", "prefetching"])
+def test_torch_rechubs_ctr_trainer_with_the_ps_optimizer_equals_local_training(
+    wrapped: bool, ps_cluster_factory: Callable[..., LocalCluster], tmp_path: Any
+) -> None:
+    from torch_rechub.trainers import CTRTrainer
+
+    from worker import prefetching
+
+    ids, y = _rechub_rows(WORKERS * BATCH * STEPS)
+    parts = [slice(r * BATCH * STEPS, (r + 1) * BATCH * STEPS) for r in range(WORKERS)]
+    combined = _Clicks({k: _combined([v[p] for p in parts]) for k, v in ids.items()}, _combined([y[p] for p in parts]))
+    probe = {k: torch.from_numpy(v[:64]) for k, v in ids.items()}
+
+    reference = _rechub_deepfm()
+    with torch.no_grad():
+        start = reference(probe)
+    local = CTRTrainer(reference, torch.optim.SGD, {"lr": LR}, n_epoch=1, model_path=str(tmp_path))
+    local.fit(DataLoader(combined, batch_size=WORKERS * BATCH, shuffle=False))
+    with torch.no_grad():
+        want = reference(probe)
+
+    config = ServerConfig(mode="sync", workers=WORKERS, optimizer="sgd", lr=LR)
+    cluster = ps_cluster_factory(config, shards=2)
+    models = [make_sparse(_rechub_deepfm()) for _ in range(WORKERS)]
+    got: dict[int, torch.Tensor] = {}
+
+    def worker(index: int) -> Callable[[], None]:
+        def run() -> None:
+            model = models[index]
+            with PSClient(cluster.address) as client:
+                mine = _Clicks({k: v[parts[client.rank]] for k, v in ids.items()}, y[parts[client.rank]])
+                trainer = CTRTrainer(
+                    model, lambda params, **_: PSOptimizer(model, client), n_epoch=1, model_path=str(tmp_path)
+                )
+                loader = DataLoader(mine, batch_size=BATCH, shuffle=False)
+                trainer.fit(prefetching(loader, model) if wrapped else loader)
+                with torch.no_grad():
+                    got[client.rank] = model(probe)
+                client.leave(finished=True)
+
+        return run
+
+    _in_threads([worker(r) for r in range(WORKERS)])
+    assert (want - start).abs().max() > 1e-3, "training did not move the predictions: the test would not tell"
+    for rank in range(WORKERS):
+        assert torch.allclose(got[rank], want, atol=1e-5), (rank, (got[rank] - want).abs().max())
