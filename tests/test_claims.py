@@ -225,3 +225,26 @@ def test_bad_claims_are_refused_with_their_status_and_change_nothing(cluster: Lo
     finally:
         for channel, _ in channels:
             channel.close()
+
+
+def test_ps_reshard_keeps_the_claims_with_shard_0(tmp_path: Path) -> None:
+    from paramserver.shard.durability import checkpoint
+    from paramserver.shard.reshard import reshard
+
+    config = ServerConfig(mode="async", workers=1, optimizer="sgd", lr=0.1, checkpoint_dir=str(tmp_path / "src"))
+    shards = [_start(config, index) for index in (0, 1)]
+    assert shards[0].claim("w", "", DS, 3) == 0
+    _push(shards[0], "w", 1)
+    assert shards[0].claim("w", "", DS, 3, finish=0, samples=9) == 1
+    _push(shards[0], "w", 2)  # the finish and the claim of shard 1 are in the log only, after the checkpoint
+    for step in (1, 2):
+        _push(shards[1], "w", step)  # one consistent cut: both shards at version 2
+    want = _record(shards[0])
+    for shard in shards:
+        shard.checkpoints.flush()
+    reshard(tmp_path / "src", tmp_path / "out", 3)
+    snaps = [checkpoint.load_latest(tmp_path / "out", j) for j in range(3)]
+    assert all(s is not None for s in snaps)
+    assert Claims.restore(snaps[0].claims).dataset == DS  # type: ignore[union-attr]
+    assert [(c.shard, c.state, c.worker, c.tries, c.samples) for c in Claims.restore(snaps[0].claims).entries()] == want  # type: ignore[union-attr]
+    assert snaps[1].claims == snaps[2].claims == {}  # type: ignore[union-attr]

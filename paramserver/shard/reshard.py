@@ -194,6 +194,7 @@ class _Cut:
             finished_workers=first.finished_workers,
             table_specs=first.table_specs,
             tables=[table_part(m, o, j) for m, o in zip(self.tables, self.owners, strict=True)],
+            claims=first.claims if j == 0 else {},  # the dataset claims stay with shard 0 (ps-worker --follow)
         )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from paramserver.config import ServerConfig
 from paramserver.placement import place
+from paramserver.shard.claims import Claims
 from paramserver.shard.durability import checkpoint, persistence, wal
 from paramserver.shard.durability.checkpoint import Snapshot
 from paramserver.shard.membership import AppliedLog
@@ -68,7 +69,8 @@ def _replayed(source: Path, index: int, num_shards: int, version: int, config: S
         raise ReshardError(f"the checkpoints of shard {index} in {source} changed while they were read")
     model, snap = found
     applied = AppliedLog.restore(snap.applied)
-    reached = persistence.replay(config, index, model, applied, version)
+    claims = Claims.restore(snap.claims)  # shard 0's dataset claims (ps-worker --follow), as of the last record
+    reached = persistence.replay(config, index, model, applied, version, claims)
     state = model.optimizer.state_dict()
     after = dataclasses.replace(
         snap,
@@ -77,6 +79,7 @@ def _replayed(source: Path, index: int, num_shards: int, version: int, config: S
         optimizer_state={"state": state["state"], "param_groups": state["param_groups"]},
         applied=applied.dump(),
         tables=model.tables.snapshot(),
+        claims=claims.dump() if claims.dataset else {},
     )
     return Part(after, reached - version)
 
