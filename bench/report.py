@@ -6,7 +6,7 @@ Works on the JSON document alone, so an old latest.json can be re-rendered. matp
 
 from __future__ import annotations
 
-from bench import report_links, report_plot, report_sparse, report_summary
+from bench import report_links, report_loops, report_plot, report_sparse, report_summary
 from bench.report_base import _PATHS, Doc, _Index, _ok, _table, fmt  # noqa: F401 - report_sparse reads them here
 
 
@@ -41,7 +41,7 @@ def markdown(doc: Doc) -> str:
         "",
     ]
     lines += _transport(ix, doc) + _baselines(ix) + _training(ix) + _memory(ix) + report_sparse.sparse(ix)
-    lines += report_sparse.sparse_many(ix) + report_sparse.sparse_peer(ix)
+    lines += report_sparse.sparse_many(ix) + report_sparse.sparse_peer(ix) + report_loops.third_party(ix)
     lines += (
         report_links.replication(ix)
         + report_links.link(ix)

@@ -29,7 +29,7 @@ WORKERS = 2
 LR = 0.05
 BIG = (2_000_000, 1_000_000, 1_000_000, 1_500_000)
 SMALL = (4, 7, 12, 20, 30, 50, 100, 300, 1_000, 3_000, 10_000)
-TARGETS = {"cpu": 1.5, "rate": 1.0}
+TARGETS = {"cpu": 1.5, "rate": 1.0, "auc": -0.003}  # issue 37: CPU at most, samples/s and AUC - local at least
 
 
 def _data(fields: int, rows: int, seed: int) -> tuple[dict[str, Any], Any]:

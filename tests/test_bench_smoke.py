@@ -200,3 +200,33 @@ def test_readme_summary_is_written_between_the_markers(
     assert "shared memory" in text  # the quick run measures the shared-memory path too
     readme.write_text("no markers here\n")
     assert not report.update_readme(doc, readme)
+
+
+def test_the_third_party_section_shows_each_figure_against_its_target() -> None:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench import report
+        from bench.common import Figure
+        from bench.third_party import TARGETS
+    finally:
+        sys.path.remove(str(ROOT))
+    figures = [
+        Figure(
+            id=f"third_party.deepfm.grouped.{kind}",
+            section="third_party",
+            title=kind,
+            unit="x",
+            repeats=values,
+            params={"fields": 8, "samples": 4_000, "rounds": 1, "target": TARGETS.get(kind)},
+            extra={"local_auc": 0.71},
+        ).to_json()
+        for kind, values in (("cpu", [1.4, 1.2]), ("rate", [0.7, 0.8]), ("auc", [-0.02, -0.01]))
+    ]
+    doc = {"machine": {}, "plan": {"quick": True, "repeats": 1, "train_repeats": 1}, "figures": figures}
+    doc["started"] = "now"
+    report.add_ratios(doc)
+    text = report.markdown(doc)
+    assert "## Other people's loops" in text
+    row = next(line for line in text.splitlines() if line.startswith("| grouped |"))
+    assert "1.30x | ≤ 1.5x: met" in row and "0.75x | ≥ 1.0x: not met" in row, row
+    assert "-0.015 | ≥ -0.003: not met | 0.71" in row, row
