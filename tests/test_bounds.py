@@ -22,9 +22,9 @@ import pytest
 import torch
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
+from support import data_socket as ds
 from support.messages import init_messages
-from test_data_socket import _attach, _bell, _port, _session, _ticket
-from test_shared_memory import OK_BYTE, Raw, _error
+from support.raw_job import OK_BYTE, Raw, error
 
 from paramserver.config import ServerConfig
 from paramserver.errors import ERROR_KEY, OutOfBounds
@@ -421,27 +421,27 @@ def test_what_a_shard_sends_keeps_to_the_bounds(raw: Raw) -> None:
 
 
 def test_a_hello_past_a_bound_is_refused_and_ends_its_connection(raw: Raw) -> None:
-    ticket = _ticket(raw)
-    _attach(raw, ticket)
+    ticket = ds.ticket(raw)
+    ds.attach(raw, ticket)
     before = raw.shard.state_bytes()
     too_long = ps_pb2.AttachRequest()
     too_long.CopyFrom(ticket)
     too_long.model_digest = _over(64)
-    with _bell(_port(raw)) as bell:
-        status, kind, message = _error(bell.call(too_long))
+    with ds.bell(ds.port(raw)) as bell:
+        status, kind, message = error(bell.call(too_long))
         assert (status, kind) == (INVALID.value[0], "OutOfBounds"), message
         assert "AttachRequest.model_digest is 65 bytes, over its bound of 64" in message
         assert bell.closed_by_peer(), "a refused hello must end the connection"
     assert raw.shard.state_bytes() == before
-    with _session(raw, ticket) as bell:  # the ticket itself still holds
+    with ds.session(raw, ticket) as bell:  # the ticket itself still holds
         assert bell.call(raw.request(pull=True))[0] == OK_BYTE
 
 
 def test_an_exchange_frame_past_a_bound_is_refused_and_the_connection_goes_on(raw: Raw) -> None:
-    with _session(raw) as bell:
+    with ds.session(raw) as bell:
         before = raw.shard.state_bytes()
         grad = b"\0" * 4 * raw.elements
-        status, kind, message = _error(bell.call(raw.request(push=True, step=1, incarnation=_over(64)), payload=grad))
+        status, kind, message = error(bell.call(raw.request(push=True, step=1, incarnation=_over(64)), payload=grad))
         assert (status, kind) == (INVALID.value[0], "OutOfBounds"), message
         assert "Exchange (socket): ExchangeRequest.incarnation is 65 bytes, over its bound of 64" in message
         assert raw.shard.state_bytes() == before

@@ -25,9 +25,10 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from support import data_socket as ds
+from support.data_socket import MALFORMED
 from support.jobs import start_ps_server, stop_job
-from test_data_socket import MALFORMED, _error, _f32, _ok, _session
-from test_shared_memory import CALL_TIMEOUT, Raw
+from support.raw_job import CALL_TIMEOUT, Raw, error
 
 from paramserver.config import ServerConfig
 from paramserver.placement import TensorSpec, place
@@ -177,28 +178,28 @@ def test_a_compressed_push_applies_the_decoded_gradient_and_bad_ones_change_noth
     nan = vals.copy()
     nan[1] = np.nan
     cases = [
-        (top, _f32(vals) + index[::-1].copy().tobytes(), "strictly increasing"),
-        (top, _f32(vals) + np.array([1, 5, 15], "<u4").tobytes(), "below the 15"),
-        (top, _f32(vals) + np.array([1, 1, 5], "<u4").tobytes(), "strictly increasing"),
+        (top, ds.f32(vals) + index[::-1].copy().tobytes(), "strictly increasing"),
+        (top, ds.f32(vals) + np.array([1, 5, 15], "<u4").tobytes(), "below the 15"),
+        (top, ds.f32(vals) + np.array([1, 1, 5], "<u4").tobytes(), "strictly increasing"),
         (ps_pb2.Compression(kind=compression.TOP_K, count=0), b"", "1 to 15"),
-        (ps_pb2.Compression(kind=compression.TOP_K, count=16), _f32(np.zeros(8)), "1 to 15"),
-        (top, _f32(vals) + index.tobytes()[:-4], "bytes"),
-        (top, _f32(nan) + index.tobytes(), "NaN or Inf"),
+        (ps_pb2.Compression(kind=compression.TOP_K, count=16), ds.f32(np.zeros(8)), "1 to 15"),
+        (top, ds.f32(vals) + index.tobytes()[:-4], "bytes"),
+        (top, ds.f32(nan) + index.tobytes(), "NaN or Inf"),
         (ps_pb2.Compression(kind=compression.POWER_SGD, rank=0), b"", "rank is 1 to 64"),
         (ps_pb2.Compression(kind=compression.POWER_SGD, rank=65), b"", "rank is 1 to 64"),
-        (pow1, _f32(np.zeros(4 + 3 + 2)), "bytes"),  # one float short of P (4), Q (3) and the bias (3)
+        (pow1, ds.f32(np.zeros(4 + 3 + 2)), "bytes"),  # one float short of P (4), Q (3) and the bias (3)
         (ps_pb2.Compression(), b"", "unknown Compression.kind"),
     ]
-    with _session(raw) as bell:
+    with ds.session(raw) as bell:
         for message, payload, said in cases:
-            status, kind, text = _error(bell.call(_push(raw, 1, message), payload=payload))
+            status, kind, text = error(bell.call(_push(raw, 1, message), payload=payload))
             assert status == MALFORMED[0] and said in text, (message, text)
             assert bell.payload == b"" and raw.shard.state_bytes() == before
         no_push = raw.request(pull=True, compression=top)
-        status, kind, text = _error(bell.call(no_push, payload=b""))
+        status, kind, text = error(bell.call(no_push, payload=b""))
         assert (status, kind) == MALFORMED and "set push" in text
         # A good TOP_K push: the three elements, every other one zero.
-        reply = _ok(bell.call(_push(raw, 1, top), payload=_f32(vals) + index.tobytes()))
+        reply = ds.ok(bell.call(_push(raw, 1, top), payload=ds.f32(vals) + index.tobytes()))
         assert (reply.version, reply.applied) == (1, True)
         grad = np.zeros(15, np.float32)
         grad[index] = vals
@@ -207,7 +208,7 @@ def test_a_compressed_push_applies_the_decoded_gradient_and_bad_ones_change_noth
         # A good POWER_SGD push of rank 1, in bf16: fc.weight (4 x 3) as P (4) and Q (3), the bias whole.
         p, q, bias = np.array([1, 0, -1, 2], np.float32), np.array([0.5, 1, -1], np.float32), np.ones(3, np.float32)
         payload = encode(np.concatenate([p, q, bias]), BFLOAT16)
-        reply = _ok(bell.call(_push(raw, 2, pow1, dtype=BFLOAT16), payload=payload))
+        reply = ds.ok(bell.call(_push(raw, 2, pow1, dtype=BFLOAT16), payload=payload))
         assert (reply.version, reply.applied) == (2, True)
         grad = np.concatenate([np.outer(p, q).ravel(), bias])
         np.testing.assert_allclose(raw.params(), w1 - np.float32(0.5) * grad, rtol=0, atol=1e-6)

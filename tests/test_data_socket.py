@@ -26,33 +26,32 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 import torch
-from test_shared_memory import (
+from support import data_socket as ds
+from support.data_socket import GRAD, MALFORMED
+from support.models import big_model, clone, like
+from support.raw_job import (
     CALL_TIMEOUT,
     JOB,
     OK_BYTE,
     OTHER,
-    RAW_CONFIG,
     REPLY_HEAD,
     REQUEST_HEAD,
     WORKER,
     Bell,
     Raw,
-    _big_model,
-    _clone,
-    _error,
-    _eventually,
-    _like,
-    _local_sgd,
-    _small_model,
-    _status,
+    error,
+    refusal,
+    small_model,
 )
+from support.references import local_sgd
+from support.waiting import wait_for
 
 from paramserver.config import ServerConfig
 from paramserver.errors import NonFiniteGradient, NotAttached
@@ -60,7 +59,6 @@ from paramserver.security import client_ssl_context
 from paramserver.server.cluster import LocalCluster
 from paramserver.server.shard_server import ShardServer
 from paramserver.shard.attachments import Ticket
-from paramserver.shard.state import Shard
 from paramserver.transport import shm, socket_client, socket_server
 from paramserver.transport.socket_client import FrameClient
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
@@ -75,86 +73,18 @@ pytestmark = pytest.mark.timeout(60)
 INV, FP, ABORTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED
 NOT_ATTACHED = (FP.value[0], "NotAttached")
 UNKNOWN_WORKER = (ABORTED.value[0], "UnknownWorker")
-MALFORMED = (INV.value[0], "MalformedStream")
-GRAD = (np.arange(15, dtype=np.float32) - 7) / 4  # exact in bf16
 Model = dict[str, torch.Tensor]
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------------
 
 
-def _hello(worker_id: str, shard: Shard, **changes: object) -> ps_pb2.AttachRequest:
-    """A data-socket Attach (and hello) for `shard`'s model with a fresh 16-byte nonce, as a PSClient sends it."""
-    assert shard.model is not None
-    fields: dict[str, object] = {
-        "nonce": secrets.token_bytes(16),
-        "elements": shard.model.numel,
-        "model_digest": shard.model.digest,
-        **changes,
-    }
-    if "name" in fields:  # a segment's name instead of the data-socket kind
-        return ps_pb2.AttachRequest(
-            worker_id=worker_id, shared_memory=ps_pb2.SharedMemory(name=str(fields.pop("name"))), **fields
-        )
-    return ps_pb2.AttachRequest(worker_id=worker_id, data_socket=ps_pb2.DataSocket(), **fields)
-
-
-def _ticket(raw: Raw, worker_id: str = WORKER, **changes: object) -> ps_pb2.AttachRequest:
-    return _hello(worker_id, raw.shard, **changes)
-
-
-def _attach(raw: Raw, ticket: ps_pb2.AttachRequest) -> int:
-    return raw.stub.Attach(ticket, timeout=CALL_TIMEOUT).data_port
-
-
-def _port(raw: Raw) -> tuple[str, int]:
-    port = raw.cluster.servers[0].data_port
-    assert port, "the shard serves no data socket"
-    return "127.0.0.1", port
-
-
-@contextlib.contextmanager
-def _bell(address: tuple[str, int], tls: ssl.SSLContext | None = None) -> Iterator[Bell]:
-    """A raw connection to a data socket (in TLS with `tls`), closed afterwards."""
-    bell = Bell(address)
-    try:
-        if tls is not None:
-            bell.sock = tls.wrap_socket(bell.sock, server_hostname=address[0])
-        yield bell
-    finally:
-        bell.close()
-
-
-@contextlib.contextmanager
-def _session(raw: Raw, hello: ps_pb2.AttachRequest | None = None) -> Iterator[Bell]:
-    """A data-socket connection that said its hello (attaching a new ticket for WORKER unless one is given)."""
-    if hello is None:
-        hello = _ticket(raw)
-        _attach(raw, hello)
-    with _bell(_port(raw)) as bell:
-        assert bell.call(hello) == bytes([OK_BYTE]), "the shard refused a good hello"
-        yield bell
-
-
 def _refused_hello(raw: Raw, hello: ps_pb2.AttachRequest) -> tuple[int, str]:
     """(status byte, error type) of a refused hello, which must end its connection."""
-    with _bell(_port(raw)) as bell:
-        got = _error(bell.call(hello))[:2]
+    with ds.bell(ds.port(raw)) as bell:
+        got = error(bell.call(hello))[:2]
         assert bell.closed_by_peer(), "a refused hello must end the connection"
     return got
-
-
-def _ok(body: bytes) -> ps_pb2.ExchangeResponse:
-    assert body[0] == OK_BYTE, _error(body)
-    return ps_pb2.ExchangeResponse.FromString(body[1:])
-
-
-def _f32(values: np.ndarray) -> bytes:
-    return np.ascontiguousarray(values, dtype="<f4").tobytes()
-
-
-def _sgd(params: np.ndarray, grad: np.ndarray) -> np.ndarray:
-    return torch.from_numpy(params.copy()).add_(torch.from_numpy(grad), alpha=-RAW_CONFIG.lr).numpy()
 
 
 def _on_data_socket(client: PSClient) -> bool:
@@ -182,17 +112,17 @@ def _equal(got: Model, want: Model) -> None:
 
 def _train(client: PSClient, model: Model, lr: float = 0.1) -> None:
     """register, push, pull, push_pulls: after each, the weights are SGD's computed here."""
-    start, grads = _clone(model), [_like(model, s) for s in (1, 2, 3)]
+    start, grads = clone(model), [like(model, s) for s in (1, 2, 3)]
     assert client.register(model) == 0
     assert client.push(grads[0]) == 1
     assert client.pull(model) == 1
-    _equal(model, _local_sgd(start, grads[:1], lr))
+    _equal(model, local_sgd(start, grads[:1], lr))
     for n in (2, 3):
-        g = _clone(grads[n - 1])
+        g = clone(grads[n - 1])
         assert client.push_pull(g) == n
-        _equal(g, _local_sgd(start, grads[:n], lr))
+        _equal(g, local_sgd(start, grads[:n], lr))
     assert client.pull(model) == 3
-    _equal(model, _local_sgd(start, grads, lr))
+    _equal(model, local_sgd(start, grads, lr))
 
 
 def _config(**changes: object) -> ServerConfig:
@@ -216,7 +146,7 @@ def _ipv6() -> bool:
 # -- 1. training over the data socket ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make", [_small_model, _big_model], ids=["small", "sliced"])
+@pytest.mark.parametrize("make", [small_model, big_model], ids=["small", "sliced"])
 def test_a_client_on_another_host_trains_over_the_data_socket(
     ps_cluster_factory: Callable[..., LocalCluster], make: Callable[[], Model]
 ) -> None:
@@ -241,38 +171,38 @@ def test_a_shard_without_shared_memory_sends_a_default_client_to_the_data_socket
     cluster = ps_cluster_factory(_config(shared_memory=False), shards=2)
     with PSClient(cluster.address, job_name=JOB, timeout=CALL_TIMEOUT) as client:
         assert client.shared_memory
-        _train(client, _big_model())
+        _train(client, big_model())
         assert all(link.shared_memory_refused for link in client.links) and _on_data_socket(client)
 
 
 def test_a_refused_push_keeps_the_data_socket_connection(ps_cluster_factory: Callable[..., LocalCluster]) -> None:
     cluster = ps_cluster_factory(_config(), shards=2)
-    model = _big_model()
+    model = big_model()
     with _client(cluster) as client:
         client.register(model)
         bells, before = _transports(client), [s.state_bytes() for s in cluster.shards]
-        bad = _like(model, 1)
+        bad = like(model, 1)
         bad["big"][0, 5] = bad["big"][-1, 5] = float("nan")  # on both shards' slices
         with pytest.raises(NonFiniteGradient):
             client.push_pull(bad)
         assert [s.state_bytes() for s in cluster.shards] == before
-        g, good = _clone(_like(model, 2)), _like(model, 2)
+        g, good = clone(like(model, 2)), like(model, 2)
         assert client.push_pull(g) == 1
-        _equal(g, _local_sgd(model, [good], 0.1))
+        _equal(g, local_sgd(model, [good], 0.1))
         assert _transports(client) == bells, "a refusal ended a connection that was in step"
 
 
 def _bf16_steps(client: PSClient) -> list[Model]:
-    model = _big_model()
+    model = big_model()
     client.register(model)
-    seen = [_clone(model)]
+    seen = [clone(model)]
     for seed in (1, 2, 3):
-        g = _like(model, seed)
+        g = like(model, seed)
         client.push_pull(g)
-        seen.append(_clone(g))
-    client.push(_like(model, 4))
+        seen.append(clone(g))
+    client.push(like(model, 4))
     client.pull(model)
-    return [*seen, _clone(model)]
+    return [*seen, clone(model)]
 
 
 def test_bf16_over_the_data_socket_is_bit_identical_to_bf16_over_the_streams(
@@ -298,7 +228,7 @@ def test_a_shard_on_ipv6_serves_its_data_socket(ps_cluster_factory: Callable[...
     cluster = ps_cluster_factory(_config(), shards=1, host="[::1]")
     assert cluster.address.startswith("[::1]:") and cluster.servers[0].data_port
     with _client(cluster) as client:
-        _train(client, _small_model())
+        _train(client, small_model())
         assert _on_data_socket(client)
         assert _connections(client)[0].peer == ("::1", cluster.servers[0].data_port)
 
@@ -344,16 +274,16 @@ def test_pushes_in_turn_go_out_one_shard_after_the_other(
     ps_cluster_factory: Callable[..., LocalCluster], push_in_turn: bool | None
 ) -> None:
     cluster = ps_cluster_factory(_config(), shards=2)
-    model = _big_model()  # each shard's part is over 1 MiB: sent from a thread of its own
-    start, grads = _clone(model), [_like(model, s) for s in (1, 2)]
+    model = big_model()  # each shard's part is over 1 MiB: sent from a thread of its own
+    start, grads = clone(model), [like(model, s) for s in (1, 2)]
     with _client(cluster, push_in_turn=push_in_turn) as client:
         client.register(model)
-        client.push_pull(_clone(grads[0]))
+        client.push_pull(clone(grads[0]))
         assert all(c.loopback for c in _connections(client))
         sends, drains = _timed_sends(client, delay=0.3), _timed_drains(client)
-        g = _clone(grads[1])
+        g = clone(grads[1])
         assert client.push_pull(g) == 2
-        _equal(g, _local_sgd(start, grads, 0.1))
+        _equal(g, local_sgd(start, grads, 0.1))
     (_, start0, end0), (_, start1, _) = sorted(sends)
     if push_in_turn:
         # Shard 1's turn begins once shard 0 has taken its gradient, not merely once the kernel holds it (the last
@@ -369,17 +299,17 @@ def test_a_push_that_fails_in_its_turn_holds_no_other_shard_back(
     ps_cluster_factory: Callable[..., LocalCluster],
 ) -> None:
     cluster = ps_cluster_factory(_config(), shards=2)
-    model = _big_model()
-    start, grads = _clone(model), [_like(model, s) for s in (1, 2)]
+    model = big_model()
+    start, grads = clone(model), [like(model, s) for s in (1, 2)]
     with _client(cluster, push_in_turn=True) as client:
         client.register(model)
-        client.push_pull(_clone(grads[0]))
+        client.push_pull(clone(grads[0]))
         sends = _timed_sends(client, fail_first=True)
         began = time.monotonic()
-        g = _clone(grads[1])
+        g = clone(grads[1])
         assert client.push_pull(g) == 2  # shard 0 attached again and was retried; its push applied once
         assert time.monotonic() - began < 5.0, "shard 1 waited out the turn's safety limit"
-        _equal(g, _local_sgd(start, grads, 0.1))
+        _equal(g, local_sgd(start, grads, 0.1))
     assert [s[0] for s in sorted(sends, key=lambda s: s[1])][:2] == [0, 1]
     assert [s.version for s in cluster.shards] == [2, 2]
 
@@ -451,21 +381,21 @@ def test_a_small_frame_goes_out_whole_through_partial_sends_and_many_pieces(dtyp
 
 
 def test_data_socket_hello_must_present_the_workers_ticket(raw: Raw) -> None:
-    mine, theirs = _ticket(raw), _ticket(raw, OTHER)
-    assert _attach(raw, mine) == _port(raw)[1]
-    _attach(raw, theirs)
+    mine, theirs = ds.ticket(raw), ds.ticket(raw, OTHER)
+    assert ds.attach(raw, mine) == ds.port(raw)[1]
+    ds.attach(raw, theirs)
     cases = [
-        (_ticket(raw), NOT_ATTACHED),  # a nonce never attached
-        (_ticket(raw, nonce=theirs.nonce), NOT_ATTACHED),  # another worker's 16-byte ticket
-        (_ticket(raw, OTHER, nonce=mine.nonce), NOT_ATTACHED),  # my ticket, claiming to be OTHER
-        (_ticket(raw, nonce=mine.nonce[:15]), NOT_ATTACHED),
-        (_ticket(raw, nonce=mine.nonce, name="1/3"), NOT_ATTACHED),  # a segment's name: no ticket has one
-        (_ticket(raw, "stranger", nonce=mine.nonce), UNKNOWN_WORKER),
+        (ds.ticket(raw), NOT_ATTACHED),  # a nonce never attached
+        (ds.ticket(raw, nonce=theirs.nonce), NOT_ATTACHED),  # another worker's 16-byte ticket
+        (ds.ticket(raw, OTHER, nonce=mine.nonce), NOT_ATTACHED),  # my ticket, claiming to be OTHER
+        (ds.ticket(raw, nonce=mine.nonce[:15]), NOT_ATTACHED),
+        (ds.ticket(raw, nonce=mine.nonce, name="1/3"), NOT_ATTACHED),  # a segment's name: no ticket has one
+        (ds.ticket(raw, "stranger", nonce=mine.nonce), UNKNOWN_WORKER),
     ]
     for hello, want in cases:
         assert _refused_hello(raw, hello) == want, hello
-    with _session(raw, mine) as bell:
-        reply = _ok(bell.call(raw.request(pull=True)))
+    with ds.session(raw, mine) as bell:
+        reply = ds.ok(bell.call(raw.request(pull=True)))
         assert (reply.pulled.version, reply.pulled.model_digest) == (0, raw.digest)
         assert reply.pulled.incarnation == raw.shard.incarnation
         assert bell.payload == raw.params().tobytes()
@@ -473,48 +403,48 @@ def test_data_socket_hello_must_present_the_workers_ticket(raw: Raw) -> None:
 
 def test_a_payload_of_the_wrong_size_is_refused_and_the_connection_stays_in_step(raw: Raw) -> None:
     w0, before = raw.params(), raw.shard.state_bytes()
-    with _session(raw) as bell:
+    with ds.session(raw) as bell:
         push = raw.request(push=True, step=1, base_version=0, pull=True, min_version=1)
         wrong = [
-            (FLOAT32, _f32(GRAD[:-1])),  # one element short
+            (FLOAT32, ds.f32(GRAD[:-1])),  # one element short
             (FLOAT32, b""),  # a push with no gradient at all
-            (FLOAT32, _f32(GRAD)[:-2]),  # no whole number of elements
+            (FLOAT32, ds.f32(GRAD)[:-2]),  # no whole number of elements
             (FLOAT32, encode(GRAD, BFLOAT16)),  # bf16 bytes sent as float32
-            (BFLOAT16, _f32(GRAD)),  # float32 bytes (the largest payload allowed) sent as bf16
+            (BFLOAT16, ds.f32(GRAD)),  # float32 bytes (the largest payload allowed) sent as bf16
         ]
         for dtype, payload in wrong:
             push.dtype = dtype
-            status, kind, message = _error(bell.call(push, payload=payload))
+            status, kind, message = error(bell.call(push, payload=payload))
             assert (status, kind) == MALFORMED, (dtype, len(payload), message)
             assert f"{len(payload)} bytes" in message and bell.payload == b""
             assert raw.shard.state_bytes() == before
         # The same connection, in step: a correct push and pull.
         push.dtype = FLOAT32
-        reply = _ok(bell.call(push, payload=_f32(GRAD)))
+        reply = ds.ok(bell.call(push, payload=ds.f32(GRAD)))
         assert (reply.version, reply.applied, reply.pulled.version) == (1, True, 1)
-        assert np.array_equal(raw.params(), _sgd(w0, GRAD))
+        assert np.array_equal(raw.params(), ds.sgd(w0, GRAD))
         assert bell.payload == raw.params().tobytes()
         # And in bf16: the gradient and the weights both travel as 2 bytes an element.
         w1 = raw.params()
         request = raw.request(push=True, step=2, base_version=1, pull=True, min_version=2, dtype=BFLOAT16)
-        reply = _ok(bell.call(request, payload=encode(GRAD, BFLOAT16)))
+        reply = ds.ok(bell.call(request, payload=encode(GRAD, BFLOAT16)))
         assert (reply.version, reply.applied, reply.pulled.version) == (2, True, 2)
-        assert np.array_equal(raw.params(), _sgd(w1, GRAD))
+        assert np.array_equal(raw.params(), ds.sgd(w1, GRAD))
         assert bell.payload == encode(raw.params(), BFLOAT16)
 
 
 def test_a_gradient_cut_off_mid_payload_is_never_applied(raw: Raw) -> None:
     before = raw.shard.state_bytes()
-    with _session(raw) as bell:
+    with ds.session(raw) as bell:
         push = raw.request(push=True, step=1, base_version=0)
-        body, whole = push.SerializeToString(), _f32(GRAD)
+        body, whole = push.SerializeToString(), ds.f32(GRAD)
         bell.sock.sendall(REQUEST_HEAD.pack(len(body), CALL_TIMEOUT, len(whole)) + body + whole[: len(whole) // 2])
         bell.sock.shutdown(socket.SHUT_WR)  # the worker's host goes away mid-gradient
         assert bell.reply() is None, "the shard answered a cut-off gradient instead of closing"
     assert raw.shard.state_bytes() == before
     # The shard serves on: a new connection's push applies.
-    with _session(raw) as bell:
-        reply = _ok(bell.call(raw.request(push=True, step=1, base_version=0), payload=_f32(GRAD)))
+    with ds.session(raw) as bell:
+        reply = ds.ok(bell.call(raw.request(push=True, step=1, base_version=0), payload=ds.f32(GRAD)))
         assert (reply.version, reply.applied) == (1, True)
 
 
@@ -523,44 +453,44 @@ def test_a_non_finite_gradient_is_refused_and_changes_nothing(raw: Raw, dtype: i
     w0, before = raw.params(), raw.shard.state_bytes()
     grad = GRAD.copy()
     grad[3] = bad
-    with _session(raw) as bell:
+    with ds.session(raw) as bell:
         request = raw.request(push=True, step=1, base_version=0, pull=True, min_version=1, dtype=dtype)
-        status, kind, message = _error(bell.call(request, payload=encode(grad, dtype)))
+        status, kind, message = error(bell.call(request, payload=encode(grad, dtype)))
         assert (status, kind) == (INV.value[0], "NonFiniteGradient") and "NaN or Inf" in message
         assert raw.shard.state_bytes() == before and raw.shard.version == 0
         # Step 1 again, finite: applied (the refused push was never recorded), on the same connection.
-        reply = _ok(bell.call(request, payload=encode(GRAD, dtype)))
+        reply = ds.ok(bell.call(request, payload=encode(GRAD, dtype)))
         assert (reply.version, reply.applied) == (1, True)
-        assert np.array_equal(raw.params(), _sgd(w0, GRAD))
+        assert np.array_equal(raw.params(), ds.sgd(w0, GRAD))
 
 
 def test_a_frame_announcing_more_than_the_model_is_too_large_and_ends_the_connection(raw: Raw) -> None:
-    hello = _ticket(raw)
-    _attach(raw, hello)
+    hello = ds.ticket(raw)
+    ds.attach(raw, hello)
     before = raw.shard.state_bytes()
     body = raw.request(push=True, step=1, base_version=0).SerializeToString()
     for size in (raw.elements * 4 + 1, 1 << 40):
-        _attach(raw, hello)  # a ticket proves one connection: each new one is attached anew
-        with _session(raw, hello) as bell:
+        ds.attach(raw, hello)  # a ticket proves one connection: each new one is attached anew
+        with ds.session(raw, hello) as bell:
             bell.sock.sendall(REQUEST_HEAD.pack(len(body), CALL_TIMEOUT, size) + body)  # the header only
             reply = bell.reply()
             assert reply is not None, "the shard closed the connection without saying why"
-            assert _error(reply)[:2] == (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], "TooLarge"), size
+            assert error(reply)[:2] == (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], "TooLarge"), size
             assert bell.closed_by_peer(), "the connection must end after a TooLarge frame"
         assert raw.shard.state_bytes() == before
     rejected = raw.shard.metrics.registry.get_sample_value(
         "paramserver_rejected_total", {"shard": "0", "reason": "TooLarge"}
     )
     assert rejected == 2
-    _attach(raw, hello)
-    with _session(raw, hello) as bell:  # attached again, a connection works again
-        assert _ok(bell.call(raw.request(pull=True))).pulled.version == 0
+    ds.attach(raw, hello)
+    with ds.session(raw, hello) as bell:  # attached again, a connection works again
+        assert ds.ok(bell.call(raw.request(pull=True))).pulled.version == 0
 
 
 def test_requests_the_data_socket_refuses_change_nothing_and_keep_the_connection(raw: Raw) -> None:
-    _attach(raw, _ticket(raw, OTHER))  # OTHER is live and attached: only the connection's identity is wrong
+    ds.attach(raw, ds.ticket(raw, OTHER))  # OTHER is live and attached: only the connection's identity is wrong
     w0, before = raw.params(), raw.shard.state_bytes()
-    grad = _f32(GRAD)
+    grad = ds.f32(GRAD)
     denied = grpc.StatusCode.PERMISSION_DENIED.value[0]
     push = {"push": True, "step": 1, "base_version": 0}
     other_model = ps_pb2.ExchangeRequest(worker_id=WORKER, model_digest="0" * 64, pull=True, **push)
@@ -574,29 +504,29 @@ def test_requests_the_data_socket_refuses_change_nothing_and_keep_the_connection
         (raw.request(OTHER, pull=True), b"", (denied, ""), WORKER),
         (other_model, grad, (FP.value[0], "ModelMismatch"), "0" * 12),
     ]
-    with _session(raw) as bell:
+    with ds.session(raw) as bell:
         for request, payload, want, said in cases:
-            status, kind, message = _error(bell.call(request, payload=payload))
+            status, kind, message = error(bell.call(request, payload=payload))
             assert (status, kind) == want and said in message, (request, message)
             assert bell.payload == b"" and raw.shard.state_bytes() == before
-        reply = _ok(bell.call(raw.request(pull=True, min_version=1, **push), payload=grad))
+        reply = ds.ok(bell.call(raw.request(pull=True, min_version=1, **push), payload=grad))
         assert (reply.version, reply.applied, reply.pulled.version) == (1, True, 1)
-        assert bell.payload == raw.params().tobytes() and np.array_equal(raw.params(), _sgd(w0, GRAD))
+        assert bell.payload == raw.params().tobytes() and np.array_equal(raw.params(), ds.sgd(w0, GRAD))
 
 
 def test_socket_attach_refusals_attach_nothing(raw: Raw) -> None:
     cases = [
-        (_ticket(raw, nonce=secrets.token_bytes(15)), INV, "InvalidArgument"),
-        (_ticket(raw, nonce=secrets.token_bytes(17)), INV, "OutOfBounds"),  # past ps.proto's bound: not decoded
-        (_ticket(raw, nonce=b""), INV, "InvalidArgument"),
-        (_ticket(raw, elements=raw.elements + 1), INV, "InvalidArgument"),
-        (_ticket(raw, elements=0), INV, "InvalidArgument"),
-        (_ticket(raw, model_digest="0" * 64), FP, "ModelMismatch"),
-        (_ticket(raw, "stranger"), ABORTED, "UnknownWorker"),
+        (ds.ticket(raw, nonce=secrets.token_bytes(15)), INV, "InvalidArgument"),
+        (ds.ticket(raw, nonce=secrets.token_bytes(17)), INV, "OutOfBounds"),  # past ps.proto's bound: not decoded
+        (ds.ticket(raw, nonce=b""), INV, "InvalidArgument"),
+        (ds.ticket(raw, elements=raw.elements + 1), INV, "InvalidArgument"),
+        (ds.ticket(raw, elements=0), INV, "InvalidArgument"),
+        (ds.ticket(raw, model_digest="0" * 64), FP, "ModelMismatch"),
+        (ds.ticket(raw, "stranger"), ABORTED, "UnknownWorker"),
     ]
     model = raw.shard.model
     for ticket, code, kind in cases:
-        assert raw.refused(lambda t=ticket: _attach(raw, t))[:2] == (code, kind), ticket
+        assert raw.refused(lambda t=ticket: ds.attach(raw, t))[:2] == (code, kind), ticket
         with pytest.raises(NotAttached):
             raw.shard.attachments.get(WORKER, model)
         want = UNKNOWN_WORKER if ticket.worker_id == "stranger" else NOT_ATTACHED
@@ -604,19 +534,19 @@ def test_socket_attach_refusals_attach_nothing(raw: Raw) -> None:
             want = (INV.value[0], "OutOfBounds")
         assert _refused_hello(raw, ticket) == want
     # A good ticket is taken; a second one replaces it.
-    first, second = _ticket(raw), _ticket(raw)
-    _attach(raw, first)
+    first, second = ds.ticket(raw), ds.ticket(raw)
+    ds.attach(raw, first)
     assert raw.shard.attachments.get(WORKER, model) == Ticket(first.nonce, raw.elements)
-    _attach(raw, second)
+    ds.attach(raw, second)
     assert _refused_hello(raw, first) == NOT_ATTACHED
-    with _session(raw, second):
+    with ds.session(raw, second):
         pass
 
 
 def test_a_worker_that_leaves_loses_its_ticket(raw: Raw) -> None:
-    hello = _ticket(raw)
-    _attach(raw, hello)
-    with _session(raw, hello) as bell:  # connected before it leaves: the shard ends the connection
+    hello = ds.ticket(raw)
+    ds.attach(raw, hello)
+    with ds.session(raw, hello) as bell:  # connected before it leaves: the shard ends the connection
         before = raw.shard.state_bytes()
         raw.stub.Leave(ps_pb2.LeaveRequest(worker_id=WORKER), timeout=CALL_TIMEOUT)
         assert bell.closed_by_peer(), "the connection of a worker that left stayed open"
@@ -625,9 +555,9 @@ def test_a_worker_that_leaves_loses_its_ticket(raw: Raw) -> None:
         raw.stub.Join(ps_pb2.JoinRequest(worker_id=WORKER, job_name=JOB), timeout=CALL_TIMEOUT)
         assert _refused_hello(raw, hello) == NOT_ATTACHED
         assert raw.shard.state_bytes() == before
-    _attach(raw, hello)
-    with _session(raw, hello) as bell:
-        assert _ok(bell.call(raw.request(pull=True))).pulled.version == 0
+    ds.attach(raw, hello)
+    with ds.session(raw, hello) as bell:
+        assert ds.ok(bell.call(raw.request(pull=True))).pulled.version == 0
 
 
 # -- 3. falling back to gRPC, and losing the connection ---------------------------------------------------------------
@@ -639,15 +569,15 @@ def test_a_shard_without_a_data_socket_refuses_the_attach_and_the_client_uses_gr
     cluster = ps_cluster_factory(_config(data_socket=False), shards=2)
     assert [s.data_port for s in cluster.servers] == [0, 0]
     with _client(cluster) as client:
-        _train(client, _big_model())
+        _train(client, big_model())
         assert all(link.fallback is not None and link.transport.kind == "gRPC" for link in client.links)
     shard = cluster.shards[0]
     with grpc.insecure_channel(cluster.address) as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)
         stub.Join(ps_pb2.JoinRequest(worker_id=WORKER, job_name=JOB), timeout=CALL_TIMEOUT)
         with pytest.raises(grpc.RpcError) as info:
-            stub.Attach(_hello(WORKER, shard), timeout=CALL_TIMEOUT)
-    assert _status(info.value) == (FP, "DataSocketUnavailable")
+            stub.Attach(ds.hello(WORKER, shard), timeout=CALL_TIMEOUT)
+    assert refusal(info.value) == (FP, "DataSocketUnavailable")
     with pytest.raises(NotAttached):
         shard.attachments.get(WORKER, shard.model)
 
@@ -667,7 +597,7 @@ def test_an_unreachable_data_socket_falls_back_to_grpc_with_a_warning(
             server.servicer.data_port = blocker.getsockname()[1]
         port = server.data_port
         with caplog.at_level(logging.WARNING, logger="worker.client"), _client(cluster) as client:
-            _train(client, _big_model())
+            _train(client, big_model())
             assert [link.fallback is not None for link in client.links] == [True, False]
             assert [link.transport.kind for link in client.links] == ["gRPC", "data socket"]
     warnings = [
@@ -684,24 +614,24 @@ def test_a_worker_on_grpc_tries_the_data_socket_again_and_leaves_grpc_once_it_is
     cluster = ps_cluster_factory(_config(), shards=2)
     servicer = cluster.servers[0].servicer
     port = servicer.data_port
-    model = _big_model()
+    model = big_model()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as blocker:  # bound, never listening: refused
         blocker.bind(("127.0.0.1", 0))
         servicer.data_port = blocker.getsockname()[1]
         with caplog.at_level(logging.DEBUG, logger="worker.client"), _client(cluster) as client:
             client.register(model)
-            client.push_pull(_like(model, 1))
+            client.push_pull(like(model, 1))
             assert [link.fallback is not None for link in client.links] == [True, False]
             assert client.links[0].transport.kind == "gRPC"
             time.sleep(0.6)  # past the first wait: the next step tries again, fails, and waits twice as long
-            client.push_pull(_like(model, 2))
+            client.push_pull(like(model, 2))
             fallback = client.links[0].fallback
             assert client.links[0].transport.kind == "gRPC" and fallback is not None and fallback.wait >= 2.0
             servicer.data_port = port  # the port is open now: the next try, once the wait is over, reaches it
-            client.push_pull(_like(model, 3))
+            client.push_pull(like(model, 3))
             assert client.links[0].transport.kind == "gRPC", "tried again before its wait was over"
             time.sleep(max(0.0, fallback.until - time.monotonic()) + 0.05)
-            assert client.push_pull(_like(model, 4)) == 4
+            assert client.push_pull(like(model, 4)) == 4
             assert _on_data_socket(client)
             assert client.pull(model) == 4
     records = [r for r in caplog.records if r.name.startswith("worker.client")]
@@ -717,18 +647,18 @@ def test_a_worker_on_grpc_tries_the_data_socket_at_once_when_a_restarted_shard_f
     cluster = ps_cluster_factory(_config(), shards=2)
     servicer = cluster.servers[0].servicer
     port = servicer.data_port
-    model = _big_model()
+    model = big_model()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as blocker:  # bound, never listening: refused
         blocker.bind(("127.0.0.1", 0))
         servicer.data_port = blocker.getsockname()[1]
         with _client(cluster) as client:
             client.register(model)
-            assert client.push_pull(_like(model, 1)) == 1
+            assert client.push_pull(like(model, 1)) == 1
             assert [link.fallback is not None for link in client.links] == [True, False]
             servicer.data_port = port
             # What a restarted shard does: it no longer knows the worker, which joins again on its next call.
             cluster.shards[0].leave(client.worker_id)
-            assert client.push_pull(_like(model, 2)) == 2
+            assert client.push_pull(like(model, 2)) == 2
             assert _on_data_socket(client), "the worker waited out its retry after re-joining a restarted shard"
 
 
@@ -742,30 +672,32 @@ def _cut(server: ShardServer) -> int:
     return len(conns)
 
 
-@pytest.mark.parametrize("make", [_small_model, _big_model], ids=["small", "sliced"])
+@pytest.mark.parametrize("make", [small_model, big_model], ids=["small", "sliced"])
 def test_a_lost_connection_is_attached_again_and_training_goes_on(
     ps_cluster_factory: Callable[..., LocalCluster], make: Callable[[], Model]
 ) -> None:
     cluster = ps_cluster_factory(_config(), shards=2)
     model = make()
-    start, grads = _clone(model), [_like(model, s) for s in (1, 2, 3)]
+    start, grads = clone(model), [like(model, s) for s in (1, 2, 3)]
     with _client(cluster) as client:
         client.register(model)
-        assert client.push_pull(_clone(grads[0])) == 1
+        assert client.push_pull(clone(grads[0])) == 1
         old = _transports(client)
         assert _cut(cluster.servers[0]) == 1
-        g = _clone(grads[1])
+        g = clone(grads[1])
         assert client.push_pull(g) == 2
-        _equal(g, _local_sgd(start, grads[:2], 0.1))
+        _equal(g, local_sgd(start, grads[:2], 0.1))
         assert _on_data_socket(client) and _transports(client)[0] is not old[0] and _transports(client)[1] is old[1]
         old = _transports(client)
         assert [_cut(s) for s in cluster.servers] == [1, 1]
-        g = _clone(grads[2])
+        g = clone(grads[2])
         assert client.push_pull(g) == 3
-        _equal(g, _local_sgd(start, grads, 0.1))
+        _equal(g, local_sgd(start, grads, 0.1))
         assert _on_data_socket(client) and all(b is not o for b, o in zip(_transports(client), old, strict=True))
         assert [s.version for s in cluster.shards] == [3, 3]
-        assert _eventually(lambda: [len(s._data._conns) for s in cluster.servers] == [1, 1]), "a cut one lingers"
+        wait_for(
+            lambda: [len(s._data._conns) for s in cluster.servers] == [1, 1], 30, "the cut connections to go", 0.05
+        )
 
 
 # -- 4. TLS, mutual TLS, the bearer token ------------------------------------------------------------------------------
@@ -791,7 +723,7 @@ def test_the_data_socket_speaks_tls_when_the_grpc_port_does(
     config = _config(tls_cert=pki["server_cert"], tls_key=pki["server_key"], tls_ca=ca if mutual else None)
     cluster = ps_cluster_factory(config, shards=2)
     with _client(cluster, tls_ca=ca, tls_cert=cert, tls_key=key) as client:
-        _train(client, _small_model())
+        _train(client, small_model())
         assert _on_data_socket(client)
         assert all(c.tls for c in _connections(client))
     shard, address = cluster.shards[0], ("127.0.0.1", cluster.servers[0].data_port)
@@ -799,20 +731,20 @@ def test_the_data_socket_speaks_tls_when_the_grpc_port_does(
     with grpc.secure_channel(cluster.address, grpc.ssl_channel_credentials(*read)) as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)
         stub.Join(ps_pb2.JoinRequest(worker_id=WORKER, job_name=JOB), timeout=CALL_TIMEOUT)
-        hello = _hello(WORKER, shard)
+        hello = ds.hello(WORKER, shard)
         assert stub.Attach(hello, timeout=CALL_TIMEOUT).data_port == address[1]
-    with _bell(address) as bell:  # plaintext, even with the right ticket: no reply frame, the connection ends
+    with ds.bell(address) as bell:  # plaintext, even with the right ticket: no reply frame, the connection ends
         assert not _answered(bell, hello).startswith(REPLY_HEAD.pack(1, 0))
     if mutual:  # TLS without a client certificate: refused in the handshake, or right after it
         with (
             contextlib.suppress(ssl.SSLError, ConnectionError),
-            _bell(address, client_ssl_context(ca, None, None)) as b,
+            ds.bell(address, client_ssl_context(ca, None, None)) as b,
         ):
             assert _answered(b, hello) == b""
-    with _bell(address, client_ssl_context(ca, cert, key)) as bell:
+    with ds.bell(address, client_ssl_context(ca, cert, key)) as bell:
         assert bell.call(hello) == bytes([OK_BYTE])
         request = ps_pb2.ExchangeRequest(worker_id=WORKER, model_digest=shard.model.digest, pull=True)
-        assert _ok(bell.call(request)).pulled.version == 3
+        assert ds.ok(bell.call(request)).pulled.version == 3
         assert bell.payload == shard.model.params.numpy().tobytes()
 
 
@@ -823,12 +755,12 @@ def test_a_tls_handshake_never_finished_is_let_go(
     cluster = ps_cluster_factory(_config(tls_cert=pki["server_cert"], tls_key=pki["server_key"]), shards=1)
     data = cluster.servers[0]._data
     assert data is not None
-    with _bell(("127.0.0.1", cluster.servers[0].data_port)) as bell:
+    with ds.bell(("127.0.0.1", cluster.servers[0].data_port)) as bell:
         connected = time.monotonic()
         bell.sock.sendall(b"\x16\x03\x01")  # the start of a TLS record, never finished
         assert bell.closed_by_peer(), "the shard kept a connection that never finished its handshake"
         assert time.monotonic() - connected > 0.3  # held for the handshake's time limit, not refused at once
-    assert _eventually(lambda: not data._conns)
+    wait_for(lambda: not data._conns, 30, "the shard to let the connection go", 0.05)
 
 
 def test_a_peer_that_never_says_its_hello_is_let_go(
@@ -839,13 +771,13 @@ def test_a_peer_that_never_says_its_hello_is_let_go(
     data = cluster.servers[0]._data
     assert data is not None
     for sent in (b"", frames.REQUEST.pack(40, 1.0, 0)):  # nothing; a head whose message never comes
-        with _bell(("127.0.0.1", cluster.servers[0].data_port)) as bell:
+        with ds.bell(("127.0.0.1", cluster.servers[0].data_port)) as bell:
             connected = time.monotonic()
             bell.sock.sendall(sent)
             assert bell.closed_by_peer(), f"the shard kept a connection that sent {sent!r} and no hello"
             # Held for the hello's time limit (from its accept, just after the connect), not refused at once.
             assert time.monotonic() - connected > 0.3
-        assert _eventually(lambda: not data._conns)
+        wait_for(lambda: not data._conns, 30, "the shard to let the connection go", 0.05)
 
 
 def test_a_socket_attach_needs_the_bearer_token(
@@ -856,16 +788,16 @@ def test_a_socket_attach_needs_the_bearer_token(
     cluster = ps_cluster_factory(_config(auth_token_file=str(token)), shards=2)
     shard = cluster.shards[0]
     with _client(cluster, auth_token="s3cret-token") as client:
-        _train(client, _small_model())
+        _train(client, small_model())
         assert _on_data_socket(client)
         held = shard.attachments.get(client.worker_id, shard.model)
         with grpc.insecure_channel(cluster.address) as channel:
             stub = ps_pb2_grpc.ParameterServerStub(channel)
             for metadata in ((), (("authorization", "Bearer wrong-token"),)):
                 with pytest.raises(grpc.RpcError) as info:
-                    stub.Attach(_hello(client.worker_id, shard), timeout=CALL_TIMEOUT, metadata=metadata)
-                assert _status(info.value) == (grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated"), metadata
+                    stub.Attach(ds.hello(client.worker_id, shard), timeout=CALL_TIMEOUT, metadata=metadata)
+                assert refusal(info.value) == (grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated"), metadata
         assert shard.attachments.get(client.worker_id, shard.model) is held, "a refused Attach replaced the ticket"
-        model = _small_model()
+        model = small_model()
         client.register(model)
-        assert client.push_pull(_like(model, 9)) == 4 and _on_data_socket(client)
+        assert client.push_pull(like(model, 9)) == 4 and _on_data_socket(client)

@@ -23,8 +23,8 @@ import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_data_socket import _session
-from test_shared_memory import Raw
+from support import data_socket as ds
+from support.raw_job import Raw
 
 from paramserver.config import ServerConfig
 from paramserver.errors import InvalidArgument, TooLarge
@@ -173,7 +173,7 @@ def test_a_fuzzed_compressed_push_never_fails_inside_the_shard(
     before = raw.shard.state_bytes()
     version = raw.shard.version
     request = raw.request(push=push, step=version + 1, base_version=version, compression=message)
-    with _session(raw) as bell:
+    with ds.session(raw) as bell:
         bell.send(request, payload=payload)
         body = bell.reply()
     if body is None or body[0] != 0:

@@ -21,8 +21,9 @@ from collections.abc import Callable
 import grpc
 import pytest
 import torch
-from test_data_socket import GRAD, _attach, _bell, _f32, _ok, _port, _session, _ticket
-from test_shared_memory import CALL_TIMEOUT, JOB, OK_BYTE, OTHER, WORKER, Bell, Raw, _error
+from support import data_socket as ds
+from support.data_socket import GRAD
+from support.raw_job import CALL_TIMEOUT, JOB, OK_BYTE, OTHER, WORKER, Bell, Raw, error
 
 from paramserver.config import ServerConfig
 from paramserver.server.cluster import LocalCluster
@@ -139,7 +140,7 @@ def test_a_large_push_that_stalls_loses_its_connection_and_its_buffer_at_its_dea
                 data_socket=ps_pb2.DataSocket(),
             )
             port = stub.Attach(hello, timeout=CALL_TIMEOUT).data_port
-        with _bell(("127.0.0.1", port)) as bell:
+        with ds.bell(("127.0.0.1", port)) as bell:
             assert bell.call(hello) == bytes([OK_BYTE])
             body = ps_pb2.ExchangeRequest(
                 worker_id=OTHER, model_digest=digest, push=True, step=1, base_version=0
@@ -158,7 +159,7 @@ def test_a_large_push_that_stalls_loses_its_connection_and_its_buffer_at_its_dea
 def test_a_hello_that_drips_in_is_cut_off_at_the_handshake_deadline(raw: Raw, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(socket_server, "HANDSHAKE_TIMEOUT", 1.0)
     registry = raw.shard.metrics.registry
-    with _bell(_port(raw)) as bell:
+    with ds.bell(ds.port(raw)) as bell:
         bell.sock.sendall(frames.REQUEST.pack(200, CALL_TIMEOUT, 0))  # a 200-byte hello, one byte at a time
         closed = False
         for _ in range(int(PATIENCE / 0.2)):
@@ -173,7 +174,7 @@ def test_a_hello_that_drips_in_is_cut_off_at_the_handshake_deadline(raw: Raw, mo
 
 
 def test_a_hello_announcing_more_than_a_hello_ends_the_connection_at_once(raw: Raw) -> None:
-    with _bell(_port(raw)) as bell:
+    with ds.bell(ds.port(raw)) as bell:
         bell.sock.sendall(frames.REQUEST.pack(frames.MAX_HELLO + 1, CALL_TIMEOUT, 0))
         assert _closed_within(bell), "the shard waited for a hello over its limit"
 
@@ -225,13 +226,13 @@ def test_connections_past_the_cap_are_closed_at_once_and_counted(
 
 
 def test_a_ticket_proves_one_connection_only(raw: Raw) -> None:
-    hello = _ticket(raw)
-    _attach(raw, hello)
-    with _session(raw, hello) as first:
-        with _bell(_port(raw)) as second:
-            status, kind, message = _error(second.call(hello))
+    hello = ds.ticket(raw)
+    ds.attach(raw, hello)
+    with ds.session(raw, hello) as first:
+        with ds.bell(ds.port(raw)) as second:
+            status, kind, message = error(second.call(hello))
             assert (status, kind) == (FP, "NotAttached") and "proven its connection already" in message
-        assert _ok(first.call(raw_request(raw, pull=True))).pulled.version == 0  # the first one serves on
+        assert ds.ok(first.call(raw_request(raw, pull=True))).pulled.version == 0  # the first one serves on
 
 
 def raw_request(raw: Raw, **fields: object) -> ps_pb2.ExchangeRequest:
@@ -239,19 +240,19 @@ def raw_request(raw: Raw, **fields: object) -> ps_pb2.ExchangeRequest:
 
 
 def test_each_socket_takes_only_its_own_kind_of_attachment(raw: Raw) -> None:
-    ticket = _ticket(raw)
-    _attach(raw, ticket)
+    ticket = ds.ticket(raw)
+    ds.attach(raw, ticket)
     doorbell = raw.attach(raw.segment(), OTHER).doorbell
     bell = Bell(doorbell)  # a data-socket ticket at the doorbell
     try:
-        status, kind, message = _error(bell.call(ticket))
+        status, kind, message = error(bell.call(ticket))
         assert (status, kind) == (FP, "NotAttached") and "not data socket" in message
     finally:
         bell.close()
     seg = raw.segment()
     raw.attach(seg)  # WORKER's attachment is now this segment: present it at the data socket
-    with _bell(_port(raw)) as bell:
-        status, kind, message = _error(bell.call(raw.hello(seg)))
+    with ds.bell(ds.port(raw)) as bell:
+        status, kind, message = error(bell.call(raw.hello(seg)))
         assert (status, kind) == (FP, "NotAttached") and "not shared memory" in message
 
 
@@ -259,19 +260,19 @@ def test_a_data_socket_ticket_relabelled_as_a_segment_is_refused_at_the_doorbell
     """A raw-socket fuzzer's find: the ticket's nonce in a shared-memory hello with an empty name (a ticket's name)
     was taken at the doorbell, which then served the full weights, and the ticket was spent. Each kind's proof
     counts only as its own kind (SPEC.md section 10)."""
-    ticket = _ticket(raw)
-    _attach(raw, ticket)
+    ticket = ds.ticket(raw)
+    ds.attach(raw, ticket)
     relabelled = ps_pb2.AttachRequest()
     relabelled.CopyFrom(ticket)
     relabelled.shared_memory.SetInParent()  # the oneof: now a segment hello, name "", the ticket's nonce
     bell = Bell(raw.attach(raw.segment(), OTHER).doorbell)
     try:
-        status, kind, _ = _error(bell.call(relabelled))
+        status, kind, _ = error(bell.call(relabelled))
         assert (status, kind) == (FP, "NotAttached")
     finally:
         bell.close()
-    with _session(raw, ticket) as served:  # the ticket still proves its own connection, once
-        assert _ok(served.call(raw_request(raw, pull=True))).pulled.version == 0
+    with ds.session(raw, ticket) as served:  # the ticket still proves its own connection, once
+        assert ds.ok(served.call(raw_request(raw, pull=True))).pulled.version == 0
 
 
 def test_a_segment_relabelled_as_a_ticket_is_refused_at_the_data_socket_and_kept(raw: Raw) -> None:
@@ -281,14 +282,14 @@ def test_a_segment_relabelled_as_a_ticket_is_refused_at_the_data_socket_and_kept
     doorbell = raw.attach(seg).doorbell
     relabelled = raw.hello(seg)
     relabelled.data_socket.SetInParent()  # the oneof: now a ticket hello, the segment's nonce
-    with _bell(_port(raw)) as bell:
-        status, kind, _ = _error(bell.call(relabelled))
+    with ds.bell(ds.port(raw)) as bell:
+        status, kind, _ = error(bell.call(relabelled))
         assert (status, kind) == (FP, "NotAttached")
         assert bell.closed_by_peer(), "a refused hello must end the connection"
     served = Bell(doorbell)
     try:
         assert served.call(raw.hello(seg)) == bytes([OK_BYTE])
-        assert _ok(served.call(raw_request(raw, pull=True))).pulled.version == 0
+        assert ds.ok(served.call(raw_request(raw, pull=True))).pulled.version == 0
     finally:
         served.close()
 
@@ -309,8 +310,8 @@ def test_an_evicted_worker_loses_its_doorbell_connection(raw: Raw) -> None:
 
 def test_step_zero_is_refused_on_every_transport_and_changes_nothing(raw: Raw) -> None:
     before = raw.shard.state_bytes()
-    with _session(raw) as bell:  # the data socket
-        status, _, message = _error(bell.call(raw_request(raw, push=True, step=0), payload=_f32(GRAD)))
+    with ds.session(raw) as bell:  # the data socket
+        status, _, message = error(bell.call(raw_request(raw, push=True, step=0), payload=ds.f32(GRAD)))
         assert status == INV and "step starts at 1" in message
     seg = raw.segment()
     raw.attach(seg)
@@ -319,7 +320,7 @@ def test_step_zero_is_refused_on_every_transport_and_changes_nothing(raw: Raw) -
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     inline = raw_request(raw, push=True, step=0, inline=True)
     for piece, (offset, length) in enumerate(((0, 12), (0, 3))):
-        inline.chunks.add(piece=piece, offset=offset, data=_f32(GRAD[:length]))
+        inline.chunks.add(piece=piece, offset=offset, data=ds.f32(GRAD[:length]))
     with pytest.raises(grpc.RpcError) as info:  # inline
         raw.stub.Exchange(inline, timeout=CALL_TIMEOUT)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -333,13 +334,13 @@ def test_two_interleaved_pushes_are_refused_by_the_end_marker_and_never_applied(
     """The second push's header and message arrive where the first one's payload belongs: they read as finite
     floats of the right length, but the first frame's end marker is not where it must be."""
     before = raw.shard.state_bytes()
-    with _session(raw) as bell:
+    with ds.session(raw) as bell:
         first = raw_request(raw, push=True, step=1, base_version=0).SerializeToString()
         second = raw_request(raw, push=True, step=2, base_version=0).SerializeToString()
         payload = raw.elements * 4  # 60 bytes: less than the second frame's header and message
         head_1 = frames.REQUEST.pack(len(first), CALL_TIMEOUT, payload) + first
         head_2 = frames.REQUEST.pack(len(second), CALL_TIMEOUT, payload) + second
         assert len(head_2) > payload
-        bell.sock.sendall(head_1 + head_2 + _f32(GRAD) + frames.end_of(head_2))
+        bell.sock.sendall(head_1 + head_2 + ds.f32(GRAD) + frames.end_of(head_2))
         assert _closed_within(bell), "the shard answered a stream out of step"
     assert raw.shard.state_bytes() == before, "a frame out of step was applied"

@@ -25,8 +25,9 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from test_data_socket import GRAD, MALFORMED, _attach, _ok, _session, _sgd, _ticket
-from test_shared_memory import OK_BYTE, Bell, Raw, _error
+from support import data_socket as ds
+from support.data_socket import GRAD, MALFORMED
+from support.raw_job import OK_BYTE, Bell, Raw, error
 from torch import nn
 
 from paramserver.config import ServerConfig
@@ -274,16 +275,16 @@ def test_a_backward_that_raises_applies_nothing_and_the_next_exchange_works(
 def test_a_last_first_payload_applies_as_the_gradient_in_piece_order(raw: Raw) -> None:
     w0 = raw.params()
     # The raw job's model: fc.weight (12 elements), then fc.bias (3): last first is the bias, then the weight.
-    with _session(raw) as bell:
+    with ds.session(raw) as bell:
         for step, dtype in ((1, FLOAT32), (2, BFLOAT16)):
             w = raw.params()
             request = raw.request(
                 push=True, step=step, base_version=step - 1, pull=True, min_version=step, dtype=dtype,
                 last_piece_first=True,
             )  # fmt: skip
-            reply = _ok(bell.call(request, payload=encode(np.concatenate([GRAD[12:], GRAD[:12]]), dtype)))
+            reply = ds.ok(bell.call(request, payload=encode(np.concatenate([GRAD[12:], GRAD[:12]]), dtype)))
             assert (reply.version, reply.applied) == (step, True)
-            assert np.array_equal(raw.params(), _sgd(w, GRAD))
+            assert np.array_equal(raw.params(), ds.sgd(w, GRAD))
             assert bell.payload == encode(raw.params(), dtype), "the weights come back in piece order"
     assert not np.array_equal(raw.params(), w0)
 
@@ -293,12 +294,12 @@ def test_last_piece_first_is_refused_where_it_means_nothing_and_changes_nothing(
     grad = encode(GRAD, FLOAT32)
     topk = ps_pb2.Compression(kind=ps_pb2.Compression.TOP_K, count=1)
     push = {"push": True, "step": 1, "base_version": 0, "last_piece_first": True}
-    with _session(raw) as bell:
+    with ds.session(raw) as bell:
         for request, payload in (
             (raw.request(pull=True, last_piece_first=True), b""),
             (raw.request(compression=topk, **push), grad[:4] + np.zeros(1, dtype="<u4").tobytes()),
         ):
-            status, kind, message = _error(bell.call(request, payload=payload))
+            status, kind, message = error(bell.call(request, payload=payload))
             assert (status, kind) == MALFORMED and "last_piece_first" in message, message
             assert raw.shard.state_bytes() == before
     # The doorbell: the part lies in the segment, in piece order.
@@ -307,16 +308,16 @@ def test_last_piece_first_is_refused_where_it_means_nothing_and_changes_nothing(
     bell = Bell(raw.attach(seg).doorbell)
     try:
         assert bell.call(raw.hello(seg)) == bytes([OK_BYTE])
-        status, kind, message = _error(bell.call(raw.request(**push)))
+        status, kind, message = error(bell.call(raw.request(**push)))
         assert (status, kind) == MALFORMED and "last_piece_first" in message, message
     finally:
         bell.close()
     code, kind, message = raw.refused(lambda: raw.exchange(inline=True, chunks=[], **push))
     assert (code, kind) == (grpc.StatusCode.INVALID_ARGUMENT, "MalformedStream") and "last_piece_first" in message
     assert raw.shard.state_bytes() == before
-    _attach(raw, _ticket(raw))  # the data socket still takes a plain push
-    with _session(raw) as bell:
-        assert _ok(bell.call(raw.request(push=True, step=1, base_version=0), payload=grad)).applied
+    ds.attach(raw, ds.ticket(raw))  # the data socket still takes a plain push
+    with ds.session(raw) as bell:
+        assert ds.ok(bell.call(raw.request(push=True, step=1, base_version=0), payload=grad)).applied
 
 
 # -- the trainer ------------------------------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from test_data_socket import _error, _f32, _ok, _session
-from test_shared_memory import CALL_TIMEOUT, JOB, RAW_CONFIG, WORKER, Raw
+from support import data_socket as ds
+from support.raw_job import CALL_TIMEOUT, JOB, RAW_CONFIG, WORKER, Raw, error
 
 from paramserver.placement import TensorSpec, place
 from paramserver.server.cluster import LocalCluster
@@ -71,10 +71,10 @@ def test_a_top_k_push_of_every_element_is_resource_exhausted_and_ends_the_connec
     carries no rows: over SPEC's bound, whatever allowance the model's tables would have."""
     before = tabled.shard.state_bytes()
     every = ps_pb2.Compression(kind=compression.TOP_K, count=ELEMENTS)
-    payload = _f32(np.ones(ELEMENTS)) + np.arange(ELEMENTS, dtype="<u4").tobytes()
+    payload = ds.f32(np.ones(ELEMENTS)) + np.arange(ELEMENTS, dtype="<u4").tobytes()
     request = tabled.request(push=True, step=1, base_version=0, compression=every)
-    with _session(tabled) as bell:
-        status, kind, text = _error(bell.call(request, payload=payload))
+    with ds.session(tabled) as bell:
+        status, kind, text = error(bell.call(request, payload=payload))
         assert (status, kind) == (RE, "TooLarge") and str(ELEMENTS * 4) in text, text
         assert bell.reply() is None  # the connection ended
     assert tabled.shard.state_bytes() == before
@@ -86,20 +86,20 @@ def test_a_push_with_its_rows_at_the_bound_applies(tabled: Raw) -> None:
     ids = _ids(10)
     rows = [ps_pb2.Rows(table=0, count=len(ids))]
     payload = (
-        _f32(np.ones(ELEMENTS // 2))
+        ds.f32(np.ones(ELEMENTS // 2))
         + np.arange(0, ELEMENTS, 2, dtype="<u4").tobytes()
         + ids.tobytes()
-        + _f32(np.ones((len(ids), DIM)))
+        + ds.f32(np.ones((len(ids), DIM)))
     )
     assert len(payload) == ELEMENTS * 4 + len(ids) * (8 + 4 * DIM)  # exactly at the bound
     request = tabled.request(push=True, step=1, base_version=0, compression=half, rows=rows)
-    with _session(tabled) as bell:
-        reply = _ok(bell.call(request, payload=payload))
+    with ds.session(tabled) as bell:
+        reply = ds.ok(bell.call(request, payload=payload))
         assert (reply.version, reply.applied) == (1, True)
         # One byte of rows more than the request announces is over the bound: refused, the connection ended.
         more = tabled.request(push=True, step=2, base_version=1, compression=half, rows=rows)
         before = tabled.shard.state_bytes()
-        status, kind, _ = _error(bell.call(more, payload=payload + b"\0"))
+        status, kind, _ = error(bell.call(more, payload=payload + b"\0"))
         assert (status, kind) == (RE, "TooLarge")
         assert bell.reply() is None
     assert tabled.shard.state_bytes() == before
@@ -114,12 +114,12 @@ def test_a_lookup_reply_past_the_cap_is_resource_exhausted_on_the_data_socket(ta
     lookup = _past_the_cap()
     ids = _ids(lookup[0].count)
     before = tabled.shard.state_bytes()
-    with _session(tabled) as bell:
-        status, kind, text = _error(bell.call(tabled.request(lookup=lookup), payload=ids.tobytes()))
+    with ds.session(tabled) as bell:
+        status, kind, text = error(bell.call(tabled.request(lookup=lookup), payload=ids.tobytes()))
         assert (status, kind) == (RE, "TooLarge") and str(MAX_LOOKUP_BYTES) in text and "fewer IDs" in text, text
         # The connection stays in step: a lookup within the cap is answered.
         small = [ps_pb2.Rows(table=1, count=3)]
-        _ok(bell.call(tabled.request(lookup=small), payload=_ids(3).tobytes()))
+        ds.ok(bell.call(tabled.request(lookup=small), payload=_ids(3).tobytes()))
         assert len(bell.payload) == 3 * WIDE * 4
     assert tabled.shard.state_bytes() == before
 

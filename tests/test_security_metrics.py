@@ -13,16 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from paramserver import LocalCluster, ServerConfig
 from paramserver.errors import PSError, Unauthenticated
-from paramserver.testing import make_pki
 from worker import PSClient
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> dict[str, str]:
-    """A CA, a shard certificate for 127.0.0.1/localhost, a client certificate, and a client from another CA."""
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _train_one_step(client: PSClient) -> torch.Tensor:

@@ -20,26 +20,38 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 import torch
+from support.models import big_model, clone, like
+from support.raw_job import (
+    CALL_TIMEOUT,
+    JOB,
+    OK_BYTE,
+    OTHER,
+    RAW_CONFIG,
+    REQUEST_HEAD,
+    WORKER,
+    Bell,
+    Raw,
+    error,
+    refusal,
+    small_model,
+)
+from support.references import local_sgd
 
 from paramserver.config import ServerConfig
-from paramserver.errors import ERROR_KEY, NonFiniteGradient, NotAttached
+from paramserver.errors import NonFiniteGradient, NotAttached
 from paramserver.placement import SLICE_ELEMENTS, TensorSpec, place
 from paramserver.server.cluster import LocalCluster
 from paramserver.server.shard_server import ShardServer
-from paramserver.shard.optimizers import make_optimizer
-from paramserver.shard.state import Shard
 from paramserver.transport import shm
 from paramserver.transport.socket_client import FrameClient
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
-from paramserver.wire import frames
 from paramserver.wire.frames import MAX_FRAME
 from worker.client import PSClient
 from worker.client.transports import SharedMemory
@@ -49,18 +61,11 @@ pytestmark = [
     pytest.mark.timeout(60),
 ]
 
-CALL_TIMEOUT = 5.0  # seconds for any call expected to answer at once
-JOB = "shm-test"
-WORKER = "worker-a"
-OTHER = "worker-b"
 FP = grpc.StatusCode.FAILED_PRECONDITION
-OK_BYTE = 0
 PERMISSION_DENIED_BYTE = grpc.StatusCode.PERMISSION_DENIED.value[0]
 DEADLINE_EXCEEDED_BYTE = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 GARBAGE = b"\x0a\x05ab"  # field 1, length 5, but only 2 bytes follow: no valid protobuf message
 _U32 = struct.Struct("<I")
-REQUEST_HEAD = struct.Struct("<IdQ")  # message length, timeout, payload length
-REPLY_HEAD = struct.Struct("<IQ")  # body length, payload length
 HEADER = struct.Struct("<8s16sQ")  # magic, nonce, elements: the layout of AttachRequest in ps.proto
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 SEGMENT_LINK = "/memfd:paramserver-segment"  # how /proc shows a segment's memfd (followed by " (deleted)")
@@ -141,32 +146,6 @@ def _eventually(probe: Callable[[], bool], timeout: float = 5.0) -> bool:
         time.sleep(0.05)
 
 
-def _big_model(seed: int = 0) -> dict[str, torch.Tensor]:
-    """One tensor sliced over both shards of a two-shard job, and two small ones."""
-    gen = torch.Generator().manual_seed(seed)
-    assert 1100 * 1024 > SLICE_ELEMENTS
-    return {
-        "big": torch.randn(1100, 1024, generator=gen),
-        "small.weight": torch.randn(10, 7, generator=gen),
-        "small.bias": torch.randn(7, generator=gen),
-    }
-
-
-def _small_model(seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {"fc.weight": torch.randn(4, 3, generator=gen), "fc.bias": torch.randn(3, generator=gen)}
-
-
-def _like(model: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """A 'gradient' of the model's shapes (a mapping's push sends the tensors themselves)."""
-    gen = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(v.shape, generator=gen) for k, v in model.items()}
-
-
-def _clone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in tensors.items()}
-
-
 def _uses_shm(client: PSClient) -> bool:
     return all(isinstance(link.transport, SharedMemory) and link.transport.doorbell for link in client.links)
 
@@ -193,197 +172,6 @@ def _doorbells(client: PSClient) -> list[FrameClient]:
     return out
 
 
-def _status(err: grpc.RpcError) -> tuple[grpc.StatusCode, str | None]:
-    return err.code(), dict(err.trailing_metadata() or ()).get(ERROR_KEY)
-
-
-def _local_sgd(start: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]], lr: float) -> dict:
-    """What a shard's SGD makes of `start` after these gradients, one step each, computed here."""
-    params = {k: v.clone() for k, v in start.items()}
-    config = ServerConfig(optimizer="sgd", lr=lr)
-    opts = {k: make_optimizer(config, p) for k, p in params.items()}
-    for g in grads:
-        for k, p in params.items():
-            p.grad = g[k].clone()
-            opts[k].step()
-    return params
-
-
-# -- raw access to a one-shard job --------------------------------------------------------------------------------
-
-# Async, so a push applies at once whoever else is joined (two workers may hold segments side by side).
-RAW_CONFIG = ServerConfig(mode="async", workers=2, optimizer="sgd", lr=0.5, job_name=JOB)
-
-
-@dataclass
-class Raw:
-    """A one-shard job holding `_small_model()`, WORKER and OTHER joined by raw stub, none attached yet."""
-
-    cluster: LocalCluster
-    stub: ps_pb2_grpc.ParameterServerStub
-    digest: str
-    elements: int
-    tmp: Path
-    segments: list[shm.Segment] = field(default_factory=list)
-    fds: list[int] = field(default_factory=list)  # closed after the test
-    never_open: list[str] = field(default_factory=list)  # paths the shard must refuse without opening them
-
-    @property
-    def shard(self) -> Shard:
-        return self.cluster.shards[0]
-
-    def segment(self, elements: int | None = None) -> shm.Segment:
-        """A new segment sized for this shard (or `elements`); closed after the test."""
-        seg = shm.Segment.create(self.elements if elements is None else elements)
-        self.segments.append(seg)
-        return seg
-
-    def offer(self, fd: int) -> str:
-        """The "<pid>/<fd>" name of an fd of this process (closed after the test)."""
-        self.fds.append(fd)
-        return f"{os.getpid()}/{fd}"
-
-    def hello(self, seg: shm.Segment, worker_id: str = WORKER, **changes: object) -> ps_pb2.AttachRequest:
-        fields: dict[str, object] = {
-            "worker_id": worker_id,
-            "shared_memory": ps_pb2.SharedMemory(name=seg.name),
-            "nonce": seg.nonce,
-            "elements": seg.elements,
-            "model_digest": self.digest,
-        }
-        fields.update(changes)
-        if "name" in fields:  # the segment's name, in the oneof
-            fields["shared_memory"] = ps_pb2.SharedMemory(name=str(fields.pop("name")))
-        return ps_pb2.AttachRequest(**fields)
-
-    def attach(self, seg: shm.Segment, worker_id: str = WORKER, **changes: object) -> ps_pb2.AttachResponse:
-        return self.stub.Attach(self.hello(seg, worker_id, **changes), timeout=CALL_TIMEOUT)
-
-    def request(self, worker_id: str = WORKER, **fields: object) -> ps_pb2.ExchangeRequest:
-        return ps_pb2.ExchangeRequest(worker_id=worker_id, model_digest=self.digest, **fields)
-
-    def exchange(self, worker_id: str = WORKER, **fields: object) -> ps_pb2.ExchangeResponse:
-        return self.stub.Exchange(self.request(worker_id, **fields), timeout=CALL_TIMEOUT)
-
-    def refused(self, call: Callable[[], object]) -> tuple[grpc.StatusCode, str | None, str]:
-        with pytest.raises(grpc.RpcError) as info:
-            call()
-        code, name = _status(info.value)
-        return code, name, info.value.details() or ""
-
-    def params(self) -> np.ndarray:
-        model = self.shard.model
-        assert model is not None
-        return model.params.numpy().copy()
-
-
-@pytest.fixture
-def raw(ps_cluster_factory: Callable[..., LocalCluster], tmp_path: Path) -> Iterator[Raw]:
-    cluster = ps_cluster_factory(RAW_CONFIG, shards=1)
-    model = _small_model()
-    # A client on streams only registers the model and leaves: no segment of its own on the shard.
-    with PSClient(cluster.address, worker_id="registrar", job_name=JOB, shared_memory=False) as client:
-        client.register(model)
-        digest = client.digest(model)
-    channel = grpc.insecure_channel(cluster.address)
-    stub = ps_pb2_grpc.ParameterServerStub(channel)
-    for worker in (WORKER, OTHER):
-        stub.Join(ps_pb2.JoinRequest(worker_id=worker, job_name=JOB), timeout=CALL_TIMEOUT, wait_for_ready=True)
-    env = Raw(cluster, stub, digest, 15, tmp_path)
-    assert cluster.shards[0].model is not None and cluster.shards[0].model.numel == env.elements
-    try:
-        yield env
-    finally:
-        channel.close()
-        for fd in env.fds:
-            os.close(fd)
-        for seg in env.segments:
-            seg.close()
-
-
-# -- a raw doorbell connection --------------------------------------------------------------------------------------
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = b""
-    while len(buf) < n:
-        try:
-            part = sock.recv(n - len(buf))
-        except ConnectionResetError:
-            return None
-        if not part:
-            return None
-        buf += part
-    return buf
-
-
-class Bell:
-    """A connection to a shard's doorbell (an abstract Unix socket name) or data socket ((host, port)) speaking the
-    frames of paramserver/wire/frames.py by hand."""
-
-    def __init__(self, address: str | tuple[str, int]) -> None:
-        if isinstance(address, str):
-            assert address.startswith("\0"), "the doorbell is an abstract socket name"
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        else:
-            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.settimeout(CALL_TIMEOUT + 5)
-        self.sock.connect(address)
-        self.payload = b""  # the payload of the last reply
-
-    def send(
-        self,
-        message: ps_pb2.AttachRequest | ps_pb2.ExchangeRequest,
-        timeout: float = CALL_TIMEOUT,
-        payload: bytes = b"",
-    ) -> None:
-        body = message.SerializeToString()
-        head = REQUEST_HEAD.pack(len(body), timeout, len(payload)) + body
-        self.sock.sendall(head + payload + frames.end_of(head))
-
-    def reply(self) -> bytes | None:
-        """One reply frame's body (its payload kept in self.payload), or None when the shard closed the
-        connection."""
-        head = _recv_exact(self.sock, REPLY_HEAD.size)
-        if head is None:
-            return None
-        length, size = REPLY_HEAD.unpack(head)
-        body = _recv_exact(self.sock, length)
-        assert body is not None, "a reply frame was cut off"
-        payload = _recv_exact(self.sock, size) if size else b""
-        assert payload is not None, "a reply payload was cut off"
-        self.payload = payload
-        assert _recv_exact(self.sock, frames.END.size) == frames.end_of(head + body), "a reply's end is wrong"
-        return body
-
-    def call(
-        self,
-        message: ps_pb2.AttachRequest | ps_pb2.ExchangeRequest,
-        timeout: float = CALL_TIMEOUT,
-        payload: bytes = b"",
-    ) -> bytes:
-        self.send(message, timeout, payload)
-        body = self.reply()
-        assert body is not None, "the shard closed the connection instead of answering"
-        return body
-
-    def closed_by_peer(self) -> bool:
-        try:
-            return self.sock.recv(1) == b""
-        except ConnectionResetError:
-            return True
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def _error(body: bytes) -> tuple[int, str, str]:
-    """(status byte, error type name, message) of an error reply."""
-    assert body[0] != OK_BYTE, f"expected an error reply, got OK: {body!r}"
-    n = body[1]
-    return body[0], body[2 : 2 + n].decode(), body[2 + n :].decode()
-
-
 # -- 1. the same training both ways ---------------------------------------------------------------------------------
 
 
@@ -391,22 +179,22 @@ def _train(client: PSClient, model: dict[str, torch.Tensor]) -> list[dict[str, t
     """register / push / pull / push_pull on `model`; return the weights after each pull."""
     seen = []
     assert client.register(model) == 0
-    seen.append(_clone(model))
-    assert client.push(_like(model, 1)) == 1
+    seen.append(clone(model))
+    assert client.push(like(model, 1)) == 1
     assert client.pull(model) == 1
-    seen.append(_clone(model))
-    g = _like(model, 2)
+    seen.append(clone(model))
+    g = like(model, 2)
     assert client.push_pull(g) == 2  # pushes g, then pulls the weights into it
-    seen.append(_clone(g))
+    seen.append(clone(g))
     assert client.pull(model) == 2
-    seen.append(_clone(model))
-    g = _like(model, 3)
+    seen.append(clone(model))
+    g = like(model, 3)
     g["big"][0, 0] = 1e6  # an outlier on shard 0's slice, one on shard 1's
     g["big"][-1, -1] = -1e6
     assert client.push_pull(g) == 3
-    seen.append(_clone(g))
+    seen.append(clone(g))
     assert client.pull(model) == 3
-    seen.append(_clone(model))
+    seen.append(clone(model))
     return seen
 
 
@@ -423,7 +211,7 @@ def test_shared_memory_data_socket_and_streams_train_to_bit_identical_weights(
         PSClient(slow.address, job_name=JOB, shared_memory=False, data_socket=False) as b,
         PSClient(remote.address, job_name=JOB, shared_memory=False) as c,
     ):
-        runs = [_train(a, _big_model()), _train(b, _big_model()), _train(c, _big_model())]
+        runs = [_train(a, big_model()), _train(b, big_model()), _train(c, big_model())]
         assert _uses_shm(a), "the shared-memory client never attached a segment or doorbell to every shard"
         assert all(link.fallback is None for link in a.links)
         assert _uses_streams(b) and b.shared_memory is False
@@ -461,21 +249,21 @@ def test_shard_with_shared_memory_disabled_gets_streams_and_no_segment_stays(
     assert [s.servicer.doorbell for s in cluster.servers] == ["", ""]
     assert [s.data_port for s in cluster.servers] == [0, 0]
     before, mapped = _fds(), _mapped()
-    model = _big_model()
-    start = _clone(model)
-    grads = [_like(model, 1), _like(model, 2)]
+    model = big_model()
+    start = clone(model)
+    grads = [like(model, 1), like(model, 2)]
     with PSClient(cluster.address, job_name=JOB) as client:
         assert client.shared_memory, "the client offers shared memory; the shards refuse it"
         client.register(model)
         client.push(grads[0])
         client.pull(model)
-        g = _clone(grads[1])
+        g = clone(grads[1])
         assert client.push_pull(g) == 2
         assert all(link.fallback is not None for link in client.links)
         assert _uses_streams(client)
         assert _eventually(lambda: _fds() == before), "a refused segment's memfd is still open"
         assert _eventually(lambda: _mapped() == mapped), "a refused segment is still mapped"
-    expected = _local_sgd(start, grads, lr)
+    expected = local_sgd(start, grads, lr)
     for name, value in expected.items():
         assert torch.equal(g[name], value), name
     # A raw offer is refused with the error type that sends the client to the streams.
@@ -493,7 +281,7 @@ def test_shard_with_shared_memory_disabled_gets_streams_and_no_segment_stays(
             )
             with pytest.raises(grpc.RpcError) as info:
                 stub.Attach(request, timeout=CALL_TIMEOUT)
-        assert _status(info.value) == (FP, "SharedMemoryUnavailable")
+        assert refusal(info.value) == (FP, "SharedMemoryUnavailable")
         assert "disabled" in (info.value.details() or "")
     finally:
         seg.close()
@@ -558,7 +346,7 @@ def test_segment_layout_and_seals() -> None:
 def test_no_segment_outlives_its_client(ps_cluster_factory: Callable[..., LocalCluster]) -> None:
     cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=0.1), shards=2)
     before, mapped = _fds(), _mapped()
-    model = _small_model()
+    model = small_model()
     client = PSClient(cluster.address)
     try:
         client.register(model)  # attaches on every shard (the pull)
@@ -570,7 +358,7 @@ def test_no_segment_outlives_its_client(ps_cluster_factory: Callable[..., LocalC
         # Both sides map each segment: the client, and the shard it was attached to (a thread here); no fd leaked.
         assert _mapped() == mapped + Counter({inode: 2 for inode in fds.values()})
         assert _accounted(fds.values())
-        client.push_pull(_like(model, 1))
+        client.push_pull(like(model, 1))
         assert set(_fds()) == set(before) | set(fds.values()) and _accounted(fds.values())
     finally:
         client.close()
@@ -590,14 +378,14 @@ def test_non_finite_gradient_through_shared_memory_is_refused_and_changes_nothin
 ) -> None:
     config = ServerConfig(mode="sync", workers=1, optimizer="adam", lr=0.01, job_name=JOB)
     cluster = ps_cluster_factory(config, shards=2)
-    model = _big_model()
+    model = big_model()
     with PSClient(cluster.address, job_name=JOB, timeout=CALL_TIMEOUT) as client:
         client.register(model)
-        assert client.push_pull(_like(model, 1)) == 1  # Adam's state exists now
+        assert client.push_pull(like(model, 1)) == 1  # Adam's state exists now
         client.pull(model)
         assert _uses_shm(client)
         before = [s.state_bytes() for s in cluster.shards]
-        g = _like(model, 2)
+        g = like(model, 2)
         g["big"][0, 5] = bad  # on shard 0's slice
         g["big"][-1, 5] = bad  # on shard 1's slice
         with pytest.raises(NonFiniteGradient) as info:
@@ -606,13 +394,13 @@ def test_non_finite_gradient_through_shared_memory_is_refused_and_changes_nothin
         assert "big" in str(info.value) and "NaN or Inf" in str(info.value)
         assert [s.state_bytes() for s in cluster.shards] == before
         # A good push afterwards applies as the next round, still through shared memory.
-        g = _like(model, 3)
+        g = like(model, 3)
         assert client.push_pull(g) == 2
         assert _uses_shm(client)
         assert [s.version for s in cluster.shards] == [2, 2]
     # What the shm client pulled is what a reader on the streams pulls: the shards' weights, all finite.
     with PSClient(cluster.address, job_name=JOB, join=False) as reader:
-        check = _clone(model)
+        check = clone(model)
         assert reader.pull(check) == 2
         assert _uses_streams(reader)
     for name, value in g.items():
@@ -846,7 +634,7 @@ def test_doorbell_hello_must_prove_the_attached_segment(raw: Raw) -> None:
     for hello, status, kind in cases:
         bell = Bell(address)
         try:
-            got = _error(bell.call(hello))
+            got = error(bell.call(hello))
             assert got[:2] == (status, kind), (hello, got)
             assert bell.closed_by_peer(), "a refused hello must end the connection"
         finally:
@@ -856,7 +644,7 @@ def test_doorbell_hello_must_prove_the_attached_segment(raw: Raw) -> None:
     try:
         assert bell.call(raw.hello(seg)) == bytes([OK_BYTE])
         body = bell.call(raw.request(pull=True))
-        assert body[0] == OK_BYTE, _error(body)
+        assert body[0] == OK_BYTE, error(body)
         assert ps_pb2.ExchangeResponse.FromString(body[1:]).pulled.version == 0
         assert np.array_equal(seg.weights, raw.params())
     finally:
@@ -874,7 +662,7 @@ def test_doorbell_connection_speaks_for_its_worker_only(raw: Raw) -> None:
     try:
         assert bell.call(raw.hello(mine)) == bytes([OK_BYTE])
         for fields in ({"push": True, "step": 1}, {"pull": True}):
-            status, _, message = _error(bell.call(raw.request(OTHER, **fields)))
+            status, _, message = error(bell.call(raw.request(OTHER, **fields)))
             assert status == PERMISSION_DENIED_BYTE, message
             assert WORKER in message
         assert raw.shard.state_bytes() == before
@@ -882,7 +670,7 @@ def test_doorbell_connection_speaks_for_its_worker_only(raw: Raw) -> None:
         # The connection still works for its own worker.
         mine.grad[:] = 2.0
         body = bell.call(raw.request(push=True, step=1, base_version=0, pull=True, min_version=1))
-        assert body[0] == OK_BYTE, _error(body)
+        assert body[0] == OK_BYTE, error(body)
         reply = ps_pb2.ExchangeResponse.FromString(body[1:])
         assert (reply.version, reply.applied, reply.pulled.version) == (1, True, 1)
         assert np.array_equal(mine.weights, raw.params())
@@ -937,10 +725,10 @@ def test_malformed_doorbell_frames_end_the_connection_and_the_shard_serves_on(
         assert bell.call(raw.hello(seg)) == bytes([OK_BYTE])
     finally:
         bell.close()
-    model = _small_model()
+    model = small_model()
     with PSClient(raw.cluster.address, worker_id=WORKER, job_name=JOB, timeout=CALL_TIMEOUT) as client:
         client.register(model)
-        assert client.push_pull(_like(model, 1)) == 1
+        assert client.push_pull(like(model, 1)) == 1
         assert _uses_shm(client)
 
 
@@ -967,7 +755,7 @@ def _doorbell_pull_waits(cluster: LocalCluster, model: dict[str, torch.Tensor], 
             assert bell.call(hello) == bytes([OK_BYTE])
             for timeout in timeouts:
                 started = time.monotonic()
-                status, kind, _ = _error(bell.call(request, timeout=timeout))
+                status, kind, _ = error(bell.call(request, timeout=timeout))
                 out.append((status, kind, time.monotonic() - started))
         finally:
             bell.close()
@@ -979,7 +767,7 @@ def test_doorbell_pull_waits_no_longer_than_the_shards_pull_timeout(
 ) -> None:
     config = RAW_CONFIG.replace(pull_timeout=0.3)
     cluster = ps_cluster_factory(config, shards=1)
-    model = _small_model()
+    model = small_model()
     # By gRPC: DEADLINE_EXCEEDED after pull_timeout, though the call's own deadline is later.
     with PSClient(cluster.address, worker_id="registrar", job_name=JOB, shared_memory=False) as client:
         client.register(model)
@@ -1001,7 +789,7 @@ def test_doorbell_pull_waits_no_longer_than_the_shards_pull_timeout(
             started = time.monotonic()
             with pytest.raises(grpc.RpcError) as info:
                 stub.Exchange(request, timeout=3.0)
-            assert _status(info.value) == (grpc.StatusCode.DEADLINE_EXCEEDED, "PullTimeout")
+            assert refusal(info.value) == (grpc.StatusCode.DEADLINE_EXCEEDED, "PullTimeout")
             assert time.monotonic() - started < 2.0
         finally:
             seg.close()
@@ -1019,7 +807,7 @@ def test_doorbell_pull_with_a_nan_timeout_waits_the_shards_pull_timeout(
     ps_cluster_factory: Callable[..., LocalCluster],
 ) -> None:
     cluster = ps_cluster_factory(RAW_CONFIG.replace(pull_timeout=0.3), shards=1)
-    ((status, kind, waited),) = _doorbell_pull_waits(cluster, _small_model(), [float("nan")])
+    ((status, kind, waited),) = _doorbell_pull_waits(cluster, small_model(), [float("nan")])
     assert (status, kind) == (DEADLINE_EXCEEDED_BYTE, "PullTimeout")
     assert 0.25 < waited < 1.5, f"a NaN timeout waited {waited:.2f} s; the shard's pull_timeout is 0.3 s"
 
@@ -1032,14 +820,14 @@ def test_client_reattaches_after_a_shard_process_restart(tmp_path: Path) -> None
     config = ServerConfig(
         mode="sync", workers=1, optimizer="sgd", lr=lr, checkpoint_dir=str(tmp_path), checkpoint_every="0"
     )
-    model = _small_model()
-    start = _clone(model)
-    grads = [_like(model, s) for s in (1, 2)]
+    model = small_model()
+    start = clone(model)
+    grads = [like(model, s) for s in (1, 2)]
     before = _fds()
     with LocalCluster(config, shards=1, processes=True) as cluster:
         with PSClient(cluster.address, timeout=30.0) as client:
             client.register(model)
-            g = _clone(grads[0])
+            g = clone(grads[0])
             assert client.push_pull(g) == 1
             first, bell = _segments(client)[0], _doorbells(client)[0]
             assert first is not None and bell is not None
@@ -1052,13 +840,13 @@ def test_client_reattaches_after_a_shard_process_restart(tmp_path: Path) -> None
             assert cluster.procs[0].wait(timeout=20) == 0
             cluster.restart(0)
 
-            g = _clone(grads[1])
+            g = clone(grads[1])
             assert client.push_pull(g) == 2
             second = _segments(client)[0]
             assert second is not None and _inode(second) != first_inode, "the client did not attach a new segment"
             assert _doorbells(client)[0] is not bell
             assert client.links[0].incarnation != incarnation
-            expected = _local_sgd(start, grads, lr)
+            expected = local_sgd(start, grads, lr)
             for name in expected:
                 assert torch.equal(g[name], expected[name]), name
             assert client.pull(model) == 2
@@ -1075,13 +863,13 @@ def test_client_reattaches_when_its_doorbell_connection_is_lost(
 ) -> None:
     lr = 0.1
     cluster = ps_cluster_factory(ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=lr), shards=2)
-    model = _big_model()
-    start = _clone(model)
-    grads = [_like(model, s) for s in (1, 2, 3)]
+    model = big_model()
+    start = clone(model)
+    grads = [like(model, s) for s in (1, 2, 3)]
     before = _fds()
     with PSClient(cluster.address, timeout=CALL_TIMEOUT) as client:
         client.register(model)
-        g = _clone(grads[0])
+        g = clone(grads[0])
         assert client.push_pull(g) == 1
         # Only numbers of the old segments: holding them would keep their mappings alive after the client drops them.
         old_bells, old_ids = _doorbells(client), [id(s) for s in _segments(client)]
@@ -1089,7 +877,7 @@ def test_client_reattaches_when_its_doorbell_connection_is_lost(
         old = {_pid_fd(s)[1]: _inode(s) for s in _segments(client)}
 
         _doorbells(client)[0].close()  # the connection to shard 0 is lost under the client
-        g = _clone(grads[1])
+        g = clone(grads[1])
         assert client.push_pull(g) == 2
         assert _uses_shm(client)
         assert _inode(_segments(client)[0]) != old_inodes[0] and _doorbells(client)[0] is not old_bells[0]
@@ -1097,16 +885,16 @@ def test_client_reattaches_when_its_doorbell_connection_is_lost(
         assert _inode(_segments(client)[1]) == old_inodes[1]
         shard = cluster.shards[0]
         assert shard.attachments.segment(client.worker_id, shard.model).nonce == _segments(client)[0].nonce
-        expected = _local_sgd(start, grads[:2], lr)
+        expected = local_sgd(start, grads[:2], lr)
         for name in expected:
             assert torch.equal(g[name], expected[name]), name
 
         with socket.socket(fileno=os.dup(_doorbells(client)[1].fileno())) as cut:
             cut.shutdown(socket.SHUT_RDWR)  # a connection that breaks under the client
-        g = _clone(grads[2])
+        g = clone(grads[2])
         assert client.push_pull(g) == 3
         assert _uses_shm(client) and _inode(_segments(client)[1]) != old_inodes[1]
-        expected = _local_sgd(start, grads, lr)
+        expected = local_sgd(start, grads, lr)
         for name in expected:
             assert torch.equal(g[name], expected[name]), name
         # Only the two current segments are left: open in the client, mapped by the client and its shard.
@@ -1126,14 +914,14 @@ def test_plain_sgd_stays_plain_sgd_after_a_shard_restores_its_checkpoint(
         mode="sync", workers=1, optimizer="sgd", lr=lr, checkpoint_dir=str(tmp_path), checkpoint_every="0"
     )
     cluster = ps_cluster_factory(config, shards=1)
-    model = _small_model()
-    start = _clone(model)
-    grads = [_like(model, s) for s in (1, 2, 3)]
+    model = small_model()
+    start = clone(model)
+    grads = [like(model, s) for s in (1, 2, 3)]
     replacement: ShardServer | None = None
     try:
         with PSClient(cluster.address, timeout=CALL_TIMEOUT) as client:
             client.register(model)
-            g = _clone(grads[0])
+            g = clone(grads[0])
             assert client.push_pull(g) == 1
             # The same restart as a shard process's, in this process: stop (final checkpoint), start on the port.
             old = cluster.servers[0]
@@ -1142,10 +930,10 @@ def test_plain_sgd_stays_plain_sgd_after_a_shard_restores_its_checkpoint(
             replacement.start(cluster.addresses)
             assert replacement.shard.version == 1
             for g0 in (grads[1], grads[2]):
-                g = _clone(g0)
+                g = clone(g0)
                 client.push_pull(g)
             assert replacement.shard.version == 3
-            expected = _local_sgd(start, grads, lr)
+            expected = local_sgd(start, grads, lr)
             group = replacement.shard.model.optimizer.param_groups[0]
             assert group["momentum"] == 0, f"restored plain SGD runs with momentum {group['momentum']}"
             for name in expected:
@@ -1159,7 +947,7 @@ def test_a_segment_cannot_be_truncated_under_the_shard_process() -> None:
     """A shard reading a page truncated away would die of SIGBUS: the seals make the truncation itself fail."""
     config = RAW_CONFIG
     with LocalCluster(config, shards=1, processes=True) as cluster:
-        model = _small_model()
+        model = small_model()
         with PSClient(cluster.address, worker_id="registrar", job_name=JOB, shared_memory=False) as client:
             client.register(model)
             digest = client.digest(model)
@@ -1225,7 +1013,7 @@ def test_a_segment_cannot_be_truncated_under_the_shard_process() -> None:
             assert cluster.poll() == [None], f"the shard process died: exit status {cluster.poll()[0]}"
             # A reader on the streams gets the same weights from the shard process.
             with PSClient(cluster.address, job_name=JOB, join=False, shared_memory=False) as reader:
-                check = _clone(model)
+                check = clone(model)
                 assert reader.pull(check) == 1
             flat = np.concatenate(
                 [check[p.name].flatten().numpy()[p.start : p.start + p.length] for p in placement.shards[0]]

@@ -32,27 +32,8 @@ LONG_FUNCTIONS: dict[str, str] = {}
 LONG_MODULES: dict[str, str] = {}
 # Worker import circles still to break (the modules of one circle: owner). None today.
 WORKER_CIRCLES: dict[frozenset[str], str] = {}
-# Test modules that still import another test module ("importer -> imported"): issue 40 moves what they share
-# into tests/support/, a step at a time.
-TEST_IMPORTS = frozenset(
-    {
-        "conftest -> test_security_metrics",
-        "conftest -> test_shared_memory",
-        "test_bounds -> test_data_socket",
-        "test_bounds -> test_shared_memory",
-        "test_compression -> test_data_socket",
-        "test_compression -> test_shared_memory",
-        "test_data_socket -> test_shared_memory",
-        "test_fuzz_surfaces -> test_data_socket",
-        "test_fuzz_surfaces -> test_shared_memory",
-        "test_hostile_peers -> test_data_socket",
-        "test_hostile_peers -> test_shared_memory",
-        "test_overlap_backward -> test_data_socket",
-        "test_overlap_backward -> test_shared_memory",
-        "test_payload_bounds -> test_data_socket",
-        "test_payload_bounds -> test_shared_memory",
-    }
-)
+# Test modules that still import another test module ("importer -> imported"). None today.
+TEST_IMPORTS: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

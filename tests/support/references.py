@@ -38,3 +38,19 @@ def torch_scheduler(opt: torch.optim.Optimizer, config: ServerConfig) -> Any:
         return main()
     warmup = sched.LinearLR(opt, start_factor=config.warmup_start_factor, total_iters=config.warmup_versions)
     return sched.SequentialLR(opt, [warmup, main()], milestones=[config.warmup_versions])
+
+
+def local_sgd(
+    start: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]], lr: float
+) -> dict[str, torch.Tensor]:
+    """What a shard's SGD makes of `start` after these gradients, one step each, computed here."""
+    from paramserver.shard.optimizers import make_optimizer
+
+    params = {k: v.clone() for k, v in start.items()}
+    config = ServerConfig(optimizer="sgd", lr=lr)
+    opts = {k: make_optimizer(config, p) for k, p in params.items()}
+    for g in grads:
+        for k, p in params.items():
+            p.grad = g[k].clone()
+            opts[k].step()
+    return params
