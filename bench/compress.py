@@ -9,7 +9,9 @@ limited both ways by a tbf token bucket, set to each of `Plan.compress_rates` in
   Interleaved, `Plan.train_repeats` rounds.
 - Training, at `Plan.compress_train_rates`: the CNN on digits (1 worker, sync, batch 32, tested after every
   epoch: the time to `Plan.tta_target`, and the accuracy at the end), and `Plan.big_model` (the 25 M MLP) for
-  `Plan.compress_steps` steps of 128 (samples/s), for each of TRAIN_WIRES; fresh shards for each run.
+  `Plan.compress_steps` steps of 128 (samples/s), for each of TRAIN_WIRES; fresh shards for each run. The CNN
+  runs keep --compress's warm-up (whole pushes first, part of the time to the target); the exchanges and the MLP's
+  samples/s are compressed from the first step (`:warmup=0`).
 
 Needs root (ip netns, tc): elsewhere the section is skipped and says why.
 """
@@ -42,7 +44,9 @@ def _exchanges(lab: Any, work: Path, plan: Plan, rate: str) -> list[Figure]:
         for _ in range(plan.train_repeats):
             gloo += link._gloo_once(lab, work, plan)
             for wire, compress in WIRES:
-                times[(wire, compress)] += link._exchange_once(lab, work, plan, wire, True, compress)
+                # Timed push_pulls from the first: the compressed ones, without --compress's warm-up.
+                scheme = f"{compress}:warmup=0" if compress else ""
+                times[(wire, compress)] += link._exchange_once(lab, work, plan, wire, True, scheme)
     finally:
         lab.stop_all()
     label = f"{plan.link_payload * 4 / 1e6:g}MB"
@@ -82,7 +86,8 @@ def _training(lab: Any, work: Path, plan: Plan, rate: str) -> list[Figure]:
             m = link.train_once(lab, work, "sync", *cnn_argv, "--eval-every-epoch", *flags)
             cnn[(wire, compress)].append(m)
             mlp_argv = ["--model", plan.big_model, "--batch-size", "128", "--steps", str(plan.compress_steps)]
-            big = link.train_once(lab, work, "sync", *mlp_argv, *flags)
+            steady = ["--compress", f"{compress}:warmup=0"] if compress else []  # samples/s compressed throughout
+            big = link.train_once(lab, work, "sync", *mlp_argv, "--wire-dtype", wire, *steady)
             mlp[(wire, compress)].append(big)
             log(
                 f"compress {rate} {wire} {compress or 'whole'}: cnn {_reached(m, plan.tta_target):.1f} s to "

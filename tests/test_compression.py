@@ -5,7 +5,9 @@ Covered:
 - the codec: what the shard decodes plus the worker's new remainder is the gradient plus the old remainder, for
   both schemes, float32 and bf16, on a model with a tensor sliced over two shards mid-row, a bias, a buffer and a
   matrix too small to factor; top-k keeps the largest magnitudes, PowerSGD's rows have the rank asked for; a retry
-  of a step sends the same payload;
+  of a step sends the same payload; `:warmup=K` parsed and checked;
+- the warm-up on real shards: the first K steps push whole (plain SGD's weights, nothing held back), the later
+  ones compressed;
 - real shards over the data socket: a compressed push applies exactly the decoded gradient; malformed ones
   (indices out of order or range, counts and ranks outside the rules, a payload of another size, NaN, no push,
   a gRPC Exchange or a segment's doorbell) are INVALID_ARGUMENT and change nothing;
@@ -38,7 +40,7 @@ from paramserver.wire import compression
 from paramserver.wire.chunks import BFLOAT16, FLOAT32, encode
 from worker.client import PSClient
 from worker.client.binding import Binding
-from worker.client.compress import Compressor, Encoded, Scheme
+from worker.client.compress import DEFAULT_WARMUP, Compressor, Encoded, Scheme
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,7 +74,7 @@ def _decode(b: Binding, shard: int, encoded: Encoded) -> np.ndarray:
     return flat
 
 
-@pytest.mark.parametrize("scheme", ["topk:0.01", "powersgd:2"])
+@pytest.mark.parametrize("scheme", ["topk:0.01:warmup=0", "powersgd:2:warmup=0"])
 @pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16], ids=["f32", "bf16"])
 def test_what_the_shard_decodes_plus_the_new_remainder_is_the_gradient_plus_the_old(scheme: str, dtype: int) -> None:
     b = _binding()
@@ -80,7 +82,7 @@ def test_what_the_shard_decodes_plus_the_new_remainder_is_the_gradient_plus_the_
     for shard in range(2):
         pieces = b.placement.shards[shard]
         is_buffer = np.concatenate([np.full(p.length, b.placement.specs[b.names.index(p.name)].buffer) for p in pieces])
-        for step in range(3):
+        for step in range(1, 4):
             before = comp.remainder(b.digest, shard)
             views = _views(b, shard, 10 * shard + step)
             encoded = comp.encode(b, shard, views, step, dtype)
@@ -116,7 +118,7 @@ def test_what_the_shard_decodes_plus_the_new_remainder_is_the_gradient_plus_the_
                 assert all(compression.matrix_of(p, SPECS[4], 2) is None for p in tiny)
 
 
-@pytest.mark.parametrize("scheme", ["topk:0.01", "powersgd:2"])
+@pytest.mark.parametrize("scheme", ["topk:0.01:warmup=0", "powersgd:2:warmup=0"])
 def test_a_step_that_goes_whole_after_all_gives_the_remainder_back(scheme: str) -> None:
     """A push encoded for the data socket whose retry fell back to a transport that does not compress: the
     remainder is what it was before that step, so the next compressed push starts from what the shard got."""
@@ -138,10 +140,17 @@ def test_a_step_that_goes_whole_after_all_gives_the_remainder_back(scheme: str) 
 
 
 def test_compress_flags_are_checked() -> None:
-    assert Scheme.parse("topk:0.01") == Scheme(compression.TOP_K, ratio=0.01)
+    assert Scheme.parse("topk:0.01") == Scheme(compression.TOP_K, ratio=0.01, warmup=DEFAULT_WARMUP)
     assert str(Scheme.parse("powersgd:4")) == "powersgd:4"
+    assert Scheme.parse("topk:0.01:warmup=0") == Scheme(compression.TOP_K, ratio=0.01, warmup=0)
+    assert Scheme.parse("powersgd:4:warmup=100").warmup == 100
+    assert str(Scheme.parse("powersgd:4:warmup=7")) == "powersgd:4:warmup=7"
+    bad_warmups = ("topk:0.01:", "topk:0.01:warmup=", "topk:0.01:warmup=-1", "topk:0.01:warmup=x", "powersgd:2:k=3")
     for bad in ("topk", "topk:0", "topk:1", "topk:x", "powersgd:0", "powersgd:65", "powersgd:1.5", "gzip:3", ""):
         with pytest.raises(ValueError, match="topk:RATIO"):
+            Scheme.parse(bad)
+    for bad in bad_warmups:
+        with pytest.raises(ValueError, match="warmup=K"):
             Scheme.parse(bad)
 
 
@@ -232,7 +241,7 @@ def test_compression_applies_on_the_data_socket_only(
         {"w": torch.randn(300, 200, generator=torch.Generator().manual_seed(i)), "b": torch.ones(200)} for i in range(3)
     ]
     whole = -0.5 * sum(g["w"] for g in grads)  # (push_pull writes the weights into the mapping it pushed)
-    with PSClient(cluster.address, shared_memory=shared_memory, compress="topk:0.05") as client:
+    with PSClient(cluster.address, shared_memory=shared_memory, compress="topk:0.05:warmup=0") as client:
         client.register(model)
         for g in grads:
             client.push_pull(g)
@@ -247,6 +256,32 @@ def test_compression_applies_on_the_data_socket_only(
         assert kinds == {"data socket"} and held > 0
         assert not torch.allclose(model["w"], whole)
         assert int((model["w"] != 0).sum()) < 0.2 * model["w"].numel()  # about 5 % a push, three pushes
+
+
+def test_the_first_steps_push_whole_and_the_rest_compressed(ps_cluster_factory: Callable[..., LocalCluster]) -> None:
+    """topk:0.05:warmup=2 over the data socket: steps 1 and 2 give exactly plain SGD's weights and hold nothing
+    back; steps 3 and 4 change about 5 % of the weights each and hold the rest back for later pushes."""
+    cluster = ps_cluster_factory(ServerConfig(mode="async", workers=1, optimizer="sgd", lr=0.5), 2)
+    model = {"w": torch.zeros(300, 200), "b": torch.zeros(200)}
+    gen = torch.Generator().manual_seed(0)
+    grads = [{"w": torch.randn(300, 200, generator=gen), "b": torch.ones(200)} for _ in range(4)]
+    with PSClient(cluster.address, shared_memory=False, compress="topk:0.05:warmup=2") as client:
+        client.register(model)
+        assert client.compressor is not None and client.compressor.scheme.warmup == 2
+        digest = client.digest(model)
+        for step, g in enumerate(grads, 1):
+            before = model["w"].clone()
+            client.push_pull({k: v.clone() for k, v in g.items()})
+            client.pull(model)
+            held = sum(float(np.abs(client.compressor.remainder(digest, k)).sum()) for k in range(2))
+            changed = int((model["w"] != before).sum())
+            if step <= 2:  # whole: plain SGD, nothing held back
+                assert held == 0.0, step
+                torch.testing.assert_close(model["w"], -0.5 * sum(x["w"] for x in grads[:step]), rtol=0, atol=1e-6)
+            else:
+                assert held > 0, step
+                assert 0 < changed < 0.1 * model["w"].numel(), (step, changed)
+        assert {link.transport.kind for link in client.links} == {"data socket"}
 
 
 # -- ps-server and ps-workers -----------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ PATHS: dict[str, dict[str, Any]] = {
     "shared memory": {},
     "data socket": {"shared_memory": False},
     "data socket bf16": {"shared_memory": False, "dtype": "bf16"},
-    "data socket top-k": {"shared_memory": False, "dtype": "bf16", "compress": "topk:0.05"},
+    "data socket top-k": {"shared_memory": False, "dtype": "bf16", "compress": "topk:0.05:warmup=0"},
     "gRPC": {"shared_memory": False, "data_socket": False},
 }
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from paramserver.config import config_field
 from paramserver.wire import dtypes
-from worker.client.compress import Scheme
+from worker.client.compress import DEFAULT_WARMUP, Scheme
 from worker.models.builtin import BUILTIN_MODELS
 from worker.models.clicks import CLICK_MODELS, TableOptions
 from worker.train.losses import LOSSES, check_loss_spec, check_step_spec
@@ -91,8 +91,10 @@ class TrainConfig:
         None,
         "compress each push over a data socket (a shard on another host): topk:RATIO sends about RATIO of the "
         "gradient's elements, the largest; powersgd:RANK each weight matrix as two rank-RANK factors. What a push "
-        "leaves out is added to the next (error feedback), so nothing is lost, only delayed. Combines with "
-        "--wire-dtype. Default: pushes go whole",
+        "leaves out is added to the next (error feedback), so nothing is lost, only delayed. The first "
+        f"{DEFAULT_WARMUP} steps push whole (a warm-up: top-k 1 %% on digits ends 0.955 against 0.923 without); "
+        "topk:RATIO:warmup=K or powersgd:RANK:warmup=K sets K (0: none). Combines with --wire-dtype. Applies over "
+        "the data socket only: shared memory and gRPC push whole. Default: pushes go whole",
     )
     clip_grad_norm: float | None = config_field(
         None,
