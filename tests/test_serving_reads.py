@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 import struct
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -283,3 +285,40 @@ def test_a_client_that_cannot_reach_the_lookup_socket_reads_over_grpc(
         finally:
             copies.stop()
             server.stop(0)
+
+
+def test_ps_serve_serves_a_saved_file_alone(served: tuple[ServingClient, PSClient, Widths], tmp_path: Path) -> None:
+    _, client, model = served
+    path = tmp_path / "model.safetensors"
+    client.save(model, path)
+    ids = {"a": np.arange(100), "b": np.arange(-(10**6), 10**6, 4_999), "c": np.arange(-300, 300)}
+    with torch.no_grad():
+        want = {n: getattr(model, n)(torch.from_numpy(i)).numpy() for n, i in ids.items()}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paramserver.serving.cli", "--from", str(path), "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("PS-SERVE-READY"):
+                break
+        assert "following nothing" in lines[0], lines
+        with ServingClient(f"127.0.0.1:{lines[-1].split()[1]}") as reader:
+            got = reader.lookup_many(ids)
+            for n in ids:
+                np.testing.assert_array_equal(got[n], want[n])
+            copy = Widths()
+            reader.pull(copy)
+            assert torch.equal(copy.fc.weight, model.fc.weight) and torch.equal(copy.fc.bias, model.fc.bias)
+            assert list(reader.status().versions) == list(client.versions)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    refused = subprocess.run(
+        [sys.executable, "-m", "paramserver.serving.cli", "--port", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 2 and "--from FILE alone" in refused.stderr

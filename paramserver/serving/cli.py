@@ -30,6 +30,7 @@ examples:
                                                        the same, asking shard 1 itself
   ps-serve --server 127.0.0.1:50051 --from model.safetensors
                                                        ready at once with a saved file's values, then following
+  ps-serve --from model.safetensors --port 50061        a saved file alone, following nothing
 
 Read from it with worker.ServingClient("HOST:PORT") (lookup, pull, version) or worker.serve(model, "HOST:PORT").
 A copy holds values only (no optimizer state, no log), asks its shard for what changed since the version it holds
@@ -76,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a model file of the job's model (PSClient.save, ps-worker --save-model): served at once, each copy "
         "ready without waiting for its shard's whole state, which it takes beside the file's and swaps in when "
-        "whole (a cold start of seconds for any table size; the file's values until then)",
+        "whole (a cold start of seconds for any table size; the file's values until then); without --server, "
+        "serve the file alone, following nothing (a snapshot, a rollback, a model whose job is gone)",
     )
     parser.add_argument(
         "--metrics-port",
@@ -127,8 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 0 <= first < len(peers):
             parser.error(f"--shard-index {first}: --peers names {len(peers)} shards")
         args.server = args.server or peers[first]
-    if not args.server:
-        parser.error("give --server HOST:PORT (any shard of the job) or --peers")
+    if not args.server and not args.seed_from:
+        parser.error("give --server HOST:PORT (any shard of the job) or --peers, or --from FILE alone")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     follow_parent()
     stop = threading.Event()
@@ -149,9 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.host, registry=metrics(copies))
+    what = f"from {args.server}" if args.server else f"of {args.seed_from} (following nothing)"
     print(
-        f"ps-serve: following {len(copies.copies)} shard(s) of model {copies.topology.model_digest[:12]} from "
-        f"{args.server}, serving on {args.host}:{port}"
+        f"ps-serve: {len(copies.copies)} shard copies of model {copies.topology.model_digest[:12]} {what}, serving "
+        f"on {args.host}:{port}"
         + (f" (lookups also on TCP port {copies.lookup_socket.port})" if copies.lookup_socket is not None else ""),
         flush=True,
     )

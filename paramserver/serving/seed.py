@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
-from paramserver.placement import TensorSpec, place
+from paramserver.placement import TensorSpec, digest, place
 from paramserver.serving.copy import ShardCopy
-from paramserver.tables import TableSpec, shard_of
+from paramserver.tables import TableSpec, shard_of, spec_to_proto
 from paramserver.v1 import ps_pb2
 
 FORMAT = "paramserver.model/1"  # worker.client.model_file writes it
@@ -33,13 +33,7 @@ def seed(
 ) -> None:
     """Fill each of `copies` (ShardCopy by shard index) from the model file at `path`, which must hold the model
     `topology` describes (ValueError saying what differs otherwise)."""
-    try:
-        opened = safe_open(os.fspath(path), framework="numpy")
-    except OSError:
-        raise
-    except Exception as exc:  # safetensors' own error for bytes that are no safetensors file
-        raise ValueError(f"{path} is not a model file PSClient.save wrote ({exc})") from None
-    with opened as f:
+    with _open(path) as f:
         meta = f.metadata() or {}
         if meta.get("format") != FORMAT:
             raise ValueError(f"{path} is not a model file PSClient.save wrote (format {meta.get('format')!r})")
@@ -73,6 +67,36 @@ def seed(
         flat = [dense[p.name].reshape(-1)[p.start : p.start + p.length] for p in placement.shards[i]]
         version = int(versions[i]) if same_shards else 0
         copy.seed(np.concatenate(flat) if flat else np.empty(0, np.float32), rows[i], version, topology.model_digest)
+
+
+def topology_of(path: str | os.PathLike[str]) -> ps_pb2.Topology:
+    """What a model file holds, as a job's topology (no addresses): its tables, its dense tensors (as parameters: a
+    file does not say which were buffers), its shards, and a digest of these, to serve it with no job."""
+    with _open(path) as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a model file PSClient.save wrote (format {meta.get('format')!r})")
+        saved = _tables(meta, path)
+        table_keys = {f"{key}.{part}" for key, _ in saved.values() for part in ("ids", "values", "optimizer_state")}
+        specs = [TensorSpec(name, tuple(f.get_slice(name).get_shape())) for name in f.keys() if name not in table_keys]
+    shards = int(meta.get("num_shards", "1") or 1)
+    tables = [spec for _, spec in saved.values()]
+    return ps_pb2.Topology(
+        shards=[""] * shards,
+        initialized=True,
+        model_digest=digest(specs, shards, tables=tables),
+        specs=[ps_pb2.TensorSpec(name=s.name, shape=list(s.shape)) for s in specs],
+        tables=[spec_to_proto(t) for t in tables],
+    )
+
+
+def _open(path: str | os.PathLike[str]) -> Any:
+    try:
+        return safe_open(os.fspath(path), framework="numpy")
+    except OSError:
+        raise
+    except Exception as exc:  # safetensors' own error for bytes that are no safetensors file
+        raise ValueError(f"{path} is not a model file PSClient.save wrote ({exc})") from None
 
 
 def _tables(meta: dict[str, str], path: str | os.PathLike[str]) -> dict[str, tuple[str, TableSpec]]:

@@ -22,7 +22,7 @@ from paramserver.server.service import method_handler
 from paramserver.serving.copy import ShardCopy
 from paramserver.serving.follower import INTERVAL_S, Follower, wait_until
 from paramserver.serving.lookup_socket import LookupSocket
-from paramserver.serving.seed import seed
+from paramserver.serving.seed import seed, topology_of
 from paramserver.tables import TableSpec, shard_of, spec_from_proto, spec_to_proto
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire import bounds
@@ -51,7 +51,11 @@ class ServingCopies:
     """The serving copies of a job's shards, each following its shard."""
 
     def __init__(
-        self, topology: ps_pb2.Topology, shards: Sequence[int] | None = None, interval: float = INTERVAL_S
+        self,
+        topology: ps_pb2.Topology,
+        shards: Sequence[int] | None = None,
+        interval: float = INTERVAL_S,
+        follow: bool = True,
     ) -> None:
         self.topology = topology
         self.num_shards = len(topology.shards)
@@ -71,15 +75,19 @@ class ServingCopies:
         self.lookup_socket: LookupSocket | None = None  # serve() opens it
         replicas = list(topology.replicas)
         per = len(replicas) // self.num_shards if replicas else 0
-        self.followers = [
-            Follower(
-                copy,
-                replicas[i * per : (i + 1) * per] if per else [topology.shards[i]],
-                channel_to,
-                interval=interval,
-            )
-            for i, copy in self.copies.items()
-        ]
+        self.followers = (
+            []
+            if not follow
+            else [
+                Follower(
+                    copy,
+                    replicas[i * per : (i + 1) * per] if per else [topology.shards[i]],
+                    channel_to,
+                    interval=interval,
+                )
+                for i, copy in self.copies.items()
+            ]
+        )
 
     def start(self) -> None:
         for f in self.followers:
@@ -310,7 +318,7 @@ def contact(address: str, timeout: float) -> ps_pb2.Topology:
 
 
 def serve(
-    address: str,
+    address: str | None,
     host: str = "127.0.0.1",
     port: int = 0,
     shards: Sequence[int] | None = None,
@@ -321,9 +329,15 @@ def serve(
 ) -> tuple[grpc.Server, ServingCopies, int]:
     """Start serving copies of the job at `address`, each asking its shard for changes at most every `interval`
     seconds: return the started server, the copies, and the bound port. With `seed_from` (a model file of the job's
-    model: PSClient.save), they serve its values at once, until each has taken its shard's whole state. Lookups are
-    also answered on a TCP socket at `lookup_port` (0: any free port; None: none), named in ServingStatus."""
-    copies = ServingCopies(contact(address, timeout), shards, interval)
+    model: PSClient.save), they serve its values at once, until each has taken its shard's whole state; with it and
+    no `address`, they serve the file alone, following nothing. Lookups are also answered on a TCP socket at
+    `lookup_port` (0: any free port; None: none), named in ServingStatus."""
+    if address is None:
+        if seed_from is None:
+            raise ValueError("name the job to follow, or a model file to serve")
+        copies = ServingCopies(topology_of(seed_from), shards, interval, follow=False)
+    else:
+        copies = ServingCopies(contact(address, timeout), shards, interval)
     if seed_from is not None:
         seed(copies.copies, copies.topology, copies.tables, seed_from)
     if lookup_port is not None:
