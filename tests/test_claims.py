@@ -78,12 +78,40 @@ def test_a_released_shard_is_claimed_again_from_its_start_and_counts_its_tries()
     claims = Claims()
     assert claims.claim("a", DS, 2) == 0
     assert claims.release("a") == [0]
-    with pytest.raises(ClaimNotHeld):
-        claims.finish("a", DS, 0, 10)  # too late: it is trained again by whoever claims it
     assert claims.claim("b", DS, 2) == 0
+    with pytest.raises(ClaimNotHeld):
+        claims.finish("a", DS, 0, 10)  # too late: b trains it again
+    with pytest.raises(ClaimNotHeld):
+        claims.hold("a", DS, 0)
     claims.finish("b", DS, 0, 10)
     (entry,) = claims.entries()
     assert (entry.state, entry.worker, entry.tries, entry.samples) == (DONE, "b", 2, 10)
+
+
+def test_a_claim_lost_or_freed_but_not_taken_is_held_again_and_finished() -> None:
+    claims = Claims()
+    claims.hold("a", DS, 0)  # a's claim was lost by a restart of shard 0: recorded again
+    assert claims.claim("b", DS, 1) is None
+    assert claims.release("a") == [0]  # freed while a was silent...
+    claims.hold("a", DS, 0)  # ...and taken by nobody since: a goes on
+    claims.finish("a", DS, 0, 7)
+    assert claims.claim("c", DS, 2) == 1
+    claims.release("c")
+    claims.finish("c", DS, 1, 5)  # freed, not taken, and trained whole all the same: done
+    assert [(c.shard, c.state, c.worker, c.tries, c.samples) for c in claims.entries()] == [
+        (0, DONE, "a", 1, 7),
+        (1, DONE, "c", 1, 5),
+    ]
+
+
+def test_after_a_restart_no_new_shard_is_given_until_lost_claims_are_reasserted() -> None:
+    claims = Claims.restore({"dataset": DS, "claims": [{"shard": 0, "state": DONE, "worker": "a", "tries": 1}]})
+    claims.hold_off(60.0)
+    assert claims.claim("b", DS, 3) is None  # shard 1 may be a's, claimed after the last logged update
+    claims.hold("a", DS, 1)  # a says so
+    assert claims.claim("a", DS, 3) == 1  # its own
+    claims.hold_off(0.0)
+    assert claims.claim("b", DS, 3) == 2
 
 
 def test_holders_that_never_come_back_are_released_after_a_lease() -> None:
@@ -206,7 +234,8 @@ def test_bad_claims_are_refused_with_their_status_and_change_nothing(cluster: Lo
             (s0, claim(dataset=""), grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument),
             (s0, claim(listed=1 << 40), grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument),
             (s0, claim(finish=0), grpc.StatusCode.ABORTED, ClaimNotHeld),  # a's, not b's
-            (s0, claim(finish=1), grpc.StatusCode.ABORTED, ClaimNotHeld),  # nobody's
+            (s0, claim(holding=0), grpc.StatusCode.ABORTED, ClaimNotHeld),  # a's, not b's
+            (s0, claim(holding=1 << 40), grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument),
             (s0, claim(finish=1 << 40), grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument),
             (s0, claim(worker_id="stranger"), grpc.StatusCode.ABORTED, UnknownWorker),
             (s1, claim(worker_id="a"), grpc.StatusCode.FAILED_PRECONDITION, NotClaimShard),

@@ -232,8 +232,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Claim(self, request: ps_pb2.ClaimRequest, context: grpc.ServicerContext) -> ps_pb2.ClaimResponse:
         with rpc_errors(context, "Claim", self.handler.rejected):
+            finish = request.finish if request.HasField("finish") else -1
+            holding = request.holding if request.HasField("holding") else -1
             shard = self.shard.claim(
-                request.worker_id, request.job_name, request.dataset, request.listed, request.finish, request.samples
+                request.worker_id, request.job_name, request.dataset, request.listed, finish, request.samples, holding
             )
             return ps_pb2.ClaimResponse(shard=-1 if shard is None else shard, version=self.shard.version)
 

@@ -70,6 +70,7 @@ def take_over(shard: Shard, complete: bool) -> None:
         if shard.model is not None:
             shard.membership.rejoin_all(shard.finished_workers)
             shard.policy.reset(shard.model.numel)
+            shard.claims.hold_off(shard.config.lease_timeout)  # claims the primary had not streamed: re-asserted
         shard.standby = ""
         shard.lock.notify_all()
 

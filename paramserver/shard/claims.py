@@ -46,6 +46,7 @@ class Claims:
         self._claims: dict[int, Claim] = {}
         self._events: list[dict[str, Any]] = []
         self._absent: dict[str, float] = {}  # a holder not live: since when (monotonic), for `expire`
+        self._quiet_until = 0.0  # monotonic: no new claim before (after a restart: see `hold_off`)
 
     # -- what workers ask ----------------------------------------------------------------------------------------
 
@@ -68,31 +69,57 @@ class Claims:
         held = [c.shard for c in self._claims.values() if c.state == HELD and c.worker == worker]
         if held:
             return min(held)
+        if time.monotonic() < self._quiet_until:
+            return None  # the holders of claims a restart lost re-assert them first (`hold_off`)
         for index in range(listed):
             entry = self._claims.get(index)
             if entry is None or entry.state == FREE:
-                if not self.dataset:  # the job's first claim names the dataset it follows
-                    self.dataset = dataset
-                    self._events.append({"dataset": dataset})
+                self._adopt(dataset)
                 self._change(Claim(index, HELD, worker, (entry.tries if entry is not None else 0) + 1))
                 return index
         return None
 
     def finish(self, worker: str, dataset: str, index: int, samples: int) -> None:
-        """Record that `worker` trained shard `index` whole (`samples` samples); again is harmless."""
+        """Record that `worker` trained shard `index` whole (`samples` samples); again is harmless. ClaimNotHeld
+        where another worker holds it or finished it."""
         if not 0 <= index < MAX_SHARDS:
             raise InvalidArgument(f"dataset shard {index} is not one of 0 to {MAX_SHARDS - 1}")
         self.check(dataset)
         entry = self._claims.get(index)
         if entry is not None and entry.state == DONE and entry.worker == worker:
             return  # a finish whose answer was lost, asked again
-        if entry is None or entry.state != HELD or entry.worker != worker:
-            whose = "nobody's" if entry is None or entry.state == FREE else f"{entry.state} by {entry.worker!r}"
+        if entry is not None and entry.state != FREE and entry.worker != worker:
             raise ClaimNotHeld(
-                f"worker {worker!r} finished dataset shard {index}, which it does not hold (it is {whose}): its "
-                "claim was released (the worker left or went silent past its lease) and the shard is trained again"
+                f"worker {worker!r} finished dataset shard {index}, which is {entry.state} by {entry.worker!r}: its "
+                "claim was released (the worker left or went silent past its lease) and another worker took it"
             )
-        self._change(Claim(index, DONE, worker, entry.tries, max(0, samples)))
+        # Held by this worker; or nobody's (its claim lost by a restart, or freed while it was silent, and not
+        # taken since): the worker trained it whole all the same, so it is done.
+        self._change(Claim(index, DONE, worker, entry.tries if entry is not None else 1, max(0, samples)))
+
+    def hold_off(self, seconds: float) -> None:
+        """Give out no new shard for `seconds` (a restarted shard 0, or a backup taking over): a claim made after
+        the last logged update is not in the record, and its holder, training on, re-asserts it (`hold`) within
+        that time; until then the shard looks free and must not go to another worker."""
+        self._quiet_until = time.monotonic() + seconds
+
+    def hold(self, worker: str, dataset: str, index: int) -> None:
+        """Re-assert that `worker` trains shard `index`: recorded held by it where nobody holds it (its claim was
+        lost by a restart before a log record held it, or freed while the worker was silent and not claimed
+        since); ClaimNotHeld where another worker holds it or it is done."""
+        if not 0 <= index < MAX_SHARDS:
+            raise InvalidArgument(f"dataset shard {index} is not one of 0 to {MAX_SHARDS - 1}")
+        self.check(dataset)
+        entry = self._claims.get(index)
+        if entry is not None and entry.state == HELD and entry.worker == worker:
+            return
+        if entry is not None and entry.state != FREE:
+            raise ClaimNotHeld(
+                f"worker {worker!r} trains dataset shard {index}, which is {entry.state} by {entry.worker!r}: its "
+                "claim was released (the worker went silent past its lease) and another worker took it"
+            )
+        self._adopt(dataset)
+        self._change(Claim(index, HELD, worker, entry.tries if entry is not None else 1))
 
     # -- workers gone --------------------------------------------------------------------------------------------
 
@@ -150,6 +177,12 @@ class Claims:
     def entries(self) -> list[Claim]:
         """Every shard's claim, by index."""
         return sorted(self._claims.values(), key=_index)
+
+    def _adopt(self, dataset: str) -> None:
+        """The job's first claim names the dataset it follows."""
+        if not self.dataset:
+            self.dataset = dataset
+            self._events.append({"dataset": dataset})
 
     def _change(self, claim: Claim) -> None:
         self._claims[claim.shard] = claim

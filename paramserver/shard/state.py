@@ -121,14 +121,26 @@ class Shard:
     # -- dataset claims (ps-worker --follow; paramserver.shard.claims) ---------------------------------------------
 
     def claim(
-        self, worker_id: str, job_name: str, dataset: str, listed: int, finish: int = -1, samples: int = 0
+        self,
+        worker_id: str,
+        job_name: str,
+        dataset: str,
+        listed: int,
+        finish: int = -1,
+        samples: int = 0,
+        holding: int = -1,
     ) -> int | None:
         """Record that the worker trained dataset shard `finish` whole (>= 0), then give it the first of the
-        `listed` shards nobody holds or finished (None: none is left). A refused request changes nothing."""
+        `listed` shards nobody holds or finished (None: none is left); or, `holding` >= 0, re-assert its claim on
+        that shard (ClaimNotHeld where another holds or finished it) and claim nothing new. A refused request
+        changes nothing."""
         roster.check_job(self, worker_id, job_name)
         with self._cond:
             self._check_claims(worker_id)
             self.claims.check(dataset, listed)  # before the finish: a refused request changes nothing
+            if holding >= 0:
+                self.claims.hold(worker_id, dataset, holding)
+                return holding
             if finish >= 0:
                 self.claims.finish(worker_id, dataset, finish, samples)
             return self.claims.claim(worker_id, dataset, listed)
@@ -193,6 +205,7 @@ class Shard:
             self.finished_workers = snap.finished_workers
             self.claims = Claims.restore(snap.claims)
             self.version = persistence.replay(self.config, self.index, model, self.applied, snap.version, self.claims)
+            self.claims.hold_off(self.config.lease_timeout)
             self.publication.reset(self.version)
             self.metrics.version.set(self.version)
             self.checkpoints.open_log(self.index, self.version)

@@ -506,20 +506,22 @@ class ExchangeResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., pulled: _Optional[_Union[PullHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., rows: _Optional[_Iterable[_Union[Rows, _Mapping]]] = ..., rows_version: _Optional[int] = ...) -> None: ...
 
 class ClaimRequest(_message.Message):
-    __slots__ = ("worker_id", "job_name", "dataset", "listed", "finish", "samples")
+    __slots__ = ("worker_id", "job_name", "dataset", "listed", "finish", "samples", "holding")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
     LISTED_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    HOLDING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     job_name: str
     dataset: str
     listed: int
     finish: int
     samples: int
-    def __init__(self, worker_id: _Optional[str] = ..., job_name: _Optional[str] = ..., dataset: _Optional[str] = ..., listed: _Optional[int] = ..., finish: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
+    holding: int
+    def __init__(self, worker_id: _Optional[str] = ..., job_name: _Optional[str] = ..., dataset: _Optional[str] = ..., listed: _Optional[int] = ..., finish: _Optional[int] = ..., samples: _Optional[int] = ..., holding: _Optional[int] = ...) -> None: ...
 
 class ClaimResponse(_message.Message):
     __slots__ = ("shard", "version")

@@ -6,8 +6,13 @@ when it leaves or its lease runs out, and whoever claims next trains that shard 
 
 from __future__ import annotations
 
+import logging
+
+from paramserver.errors import ClaimNotHeld
 from paramserver.v1 import ps_pb2
 from worker.client.link import Session, ShardLink
+
+log = logging.getLogger(__name__)
 
 
 class DatasetClaims:
@@ -33,6 +38,18 @@ class DatasetClaims:
         )
         reply = link.retry(lambda: link.rpc.stub.Claim(request, timeout=s.timeout))
         return None if reply.shard < 0 else int(reply.shard)
+
+    def hold(self, index: int) -> bool:
+        """Re-assert that this worker trains shard `index` (recorded again where a restart of shard 0 lost the
+        claim); False where another worker holds it or it is done: stop training it."""
+        s, link = self._session, self._link
+        request = ps_pb2.ClaimRequest(worker_id=s.worker_id, job_name=s.job_name, dataset=self.dataset, holding=index)
+        try:
+            link.retry(lambda: link.rpc.stub.Claim(request, timeout=s.timeout))
+        except ClaimNotHeld as exc:
+            log.warning("%s", exc)
+            return False
+        return True
 
     def record(self) -> ps_pb2.ClaimsRecord:
         """The job's claims record, as shard 0 holds it."""

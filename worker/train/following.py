@@ -17,8 +17,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from paramserver.errors import ClaimNotHeld
 from worker.client import PSClient
@@ -31,6 +32,10 @@ from worker.train.steps import Job, Steps
 log = logging.getLogger(__name__)
 
 IN_MEMORY = ("digits", "synthetic", "diabetes")  # --dataset names of worker.data.datasets' in-memory sets
+# Seconds between two re-assertions of the claim a worker trains under: well within a lease (Claims.hold_off on
+# a restarted shard 0 waits one lease for them before it gives out a shard again).
+RENEW_S = 1.0
+T = TypeVar("T")
 
 
 def dataset_key(manifest: Manifest) -> str:
@@ -129,9 +134,11 @@ def _loop(job: Job, client: PSClient, claims: DatasetClaims, done: Followed, sto
             client.pull(job.model)
             idle_since = None
         began = time.monotonic()
-        trained = _train_shard(job, done.steps, index, stop)
-        if trained is None:
+        trained = _train_shard(job, done.steps, claims, index, stop)
+        if trained is None and stop.is_set():
             break  # stopped mid-shard: leaving frees it, and another worker trains it from its start
+        if trained is None:
+            continue  # its claim went to another worker (this one was silent past its lease): claim the next
         last, samples = index, trained
         done.shards.append((index, trained, time.monotonic() - began))
     _finish_last(claims, last, samples)
@@ -145,9 +152,10 @@ def _finish_last(claims: DatasetClaims, last: int, samples: int) -> None:
             claims.claim(0, last, samples)
 
 
-def _train_shard(job: Job, steps: Steps, index: int, stop: threading.Event) -> int | None:
-    """Train dataset shard `index` whole, in one pass; return its samples (None: stopped before its end). Every
-    push of it is applied when this returns."""
+def _train_shard(job: Job, steps: Steps, claims: DatasetClaims, index: int, stop: threading.Event) -> int | None:
+    """Train dataset shard `index` whole, in one pass, re-asserting the claim every RENEW_S seconds; return its
+    samples, or None where it stopped before its end (`stop` set, or the claim went to another worker). Every push
+    of it is applied when this returns."""
     data = job.data
     assert isinstance(data, StreamedDataset)
     shard = data.manifest.splits["train"].shards[index]
@@ -155,13 +163,25 @@ def _train_shard(job: Job, steps: Steps, index: int, stop: threading.Event) -> i
     log.info("training dataset shard %d (%s, %d samples)", index, shard.path, shard.samples)
     batches = data.shard_batches(index, job.config.batch_size, seed=job.config.seed)
     with contextlib.closing(batches):
-        trained = steps.run(batches, None, stop)
+        trained = steps.run(_held(batches, claims, index), None, stop)
     steps.drain()  # the last push applied before its finish says so
     if trained < shard.samples:
-        log.warning("stopped in dataset shard %d after %d of its %d samples", index, trained, shard.samples)
+        log.warning("left dataset shard %d after %d of its %d samples", index, trained, shard.samples)
         return None
     log.info("trained dataset shard %d: %d samples in %.1f s", index, trained, time.monotonic() - began)
     return trained
+
+
+def _held(batches: Iterable[T], claims: DatasetClaims, index: int) -> Iterator[T]:
+    """`batches` while this worker's claim on shard `index` holds, re-asserted every RENEW_S seconds (a restart of
+    shard 0 may have lost it: it is recorded again before another worker can take the shard)."""
+    renew = time.monotonic() + RENEW_S
+    for batch in batches:
+        if time.monotonic() >= renew:
+            if not claims.hold(index):
+                return  # another worker took it: it trains it from its start, this one stops here
+            renew = time.monotonic() + RENEW_S
+        yield batch
 
 
 def _reload(data: StreamedDataset) -> None:
