@@ -126,9 +126,15 @@ def test_a_model_served_through_serve_predicts_as_the_trained_one(
     with ServingClient(copies[0]) as served:
         assert wait_until(lambda: caught_up(served, client), 30)
         inference = serve_model(Model(), served)
+        asked: list[list[str]] = []
+        lookup_many = served.lookup_many
+        served.lookup_many = lambda tables: asked.append(sorted(tables)) or lookup_many(tables)  # type: ignore[method-assign]
         with torch.no_grad():
             for user, item in seen[-3:]:
                 assert torch.equal(inference(user, item), model(user, item))
+            # Both tables' rows in one request a forward pass; none for rows the caches hold at this version.
+            assert asked == [["item", "user"]] * 3
+            assert torch.equal(inference(*seen[-1]), model(*seen[-1])) and len(asked) == 3
 
 
 def test_writes_are_refused_and_change_nothing(

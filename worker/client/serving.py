@@ -26,6 +26,7 @@ from paramserver.tables import TableSpec, shard_of, spec_from_proto
 from paramserver.transport.socket_client import split_host
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire.frames import recv_exact
+from worker.client.served_rows import ServedRows, grouped_reads
 from worker.client.sparse import SparseEmbedding, tables_of, without_rows
 
 _OPTIONS = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
@@ -135,6 +136,9 @@ class ServingClient:
         self.timeout = timeout
         self._processes = [_Copies(a) for a in addresses]
         self.versions: tuple[int, ...] = ()  # each shard's version, as the last answer gave them
+        self._recent: tuple[int, ...] = ()
+        self._recent_at = -float("inf")
+        self._recent_lock = threading.Lock()
         self._status = self.wait_ready(timeout)
         self.tables: dict[str, TableSpec] = {t.name: spec_from_proto(t) for t in self._status.tables}
 
@@ -193,6 +197,15 @@ class ServingClient:
             for shard in p.held:
                 self._reader.setdefault(shard, p)
         return self._merged(got)
+
+    def recent_versions(self, max_age: float) -> tuple[int, ...]:
+        """Each shard's version as an answer at most `max_age` seconds old gave them (asked anew when older): what
+        every table's cache of a served model checks, one Status call for all of them."""
+        with self._recent_lock:
+            if time.monotonic() - self._recent_at > max_age:
+                self._recent = tuple(self.status().versions)
+                self._recent_at = time.monotonic()
+            return self._recent
 
     @property
     def version(self) -> int:
@@ -293,59 +306,11 @@ def _name_in(model: nn.Module | None, table: SparseEmbedding) -> str:
     raise ValueError("the table is not one of the model's SparseEmbeddings: name it instead")
 
 
-class ServedRows:
-    """A table's rows read from serving copies (a RowSource: worker.client.sparse), with a cache of the rows read
-    that holds for one version: emptied once an answer shows another, and checked at most every `refresh` s."""
-
-    trains = False
-
-    def __init__(self, client: ServingClient, name: str, refresh: float = 0.05, cache_rows: int = 1 << 20) -> None:
-        self.client = client
-        self.name = name
-        self.refresh = refresh
-        self.cache_rows = cache_rows
-        self._cache: dict[int, np.ndarray] = {}
-        self._versions: tuple[int, ...] = ()
-        self._checked = 0.0
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        with self._lock:
-            if time.monotonic() - self._checked > self.refresh:
-                self._valid_for(tuple(self.client.status().versions))
-            cached = [self._cache.get(int(i)) for i in ids]
-            missing = [k for k, row in enumerate(cached) if row is None]
-            self.hits += len(ids) - len(missing)
-            self.misses += len(missing)
-            if missing:
-                rows = self.client.lookup_many({self.name: ids[missing]})[self.name]
-                self._valid_for(self.client.versions)
-                if len(self._cache) + len(missing) <= self.cache_rows:
-                    for k, row in zip(missing, rows, strict=True):
-                        self._cache[int(ids[k])] = row
-                for k, row in zip(missing, rows, strict=True):
-                    cached[k] = row
-            return (
-                np.stack([c for c in cached if c is not None])
-                if len(ids)
-                else np.empty((0, self.client.tables[self.name].dim), np.float32)
-            )
-
-    def _valid_for(self, versions: tuple[int, ...]) -> None:
-        if versions != self._versions:
-            self._cache.clear()
-            self._versions = versions
-        self._checked = time.monotonic()
-
-
 def serve(model: nn.Module, address: str | ServingClient, refresh: float = 0.05) -> nn.Module:
     """Make a converted model (make_sparse, SparseEmbedding) read from the serving copies at `address`: its dense
     weights pulled now, each table's rows looked up as forward passes need them (a cache per table that holds for
-    one version, checked every `refresh` s). Returns the model; call again (or `client.pull(model)`) to refresh the
-    dense weights."""
+    one version, checked every `refresh` s; the rows a forward pass lacks, of every table, in one request).
+    Returns the model; call again (or `client.pull(model)`) to refresh the dense weights."""
     client = address if isinstance(address, ServingClient) else ServingClient(address)
     mine = dict(tables_of(model))
     if set(mine) != set(client.tables):
@@ -354,7 +319,9 @@ def serve(model: nn.Module, address: str | ServingClient, refresh: float = 0.05)
             "job trains (converted with make_sparse as it was)"
         )
     client.pull(model)
+    sources = {}
     for name, module in mine.items():
-        module.attach(ServedRows(client, name, refresh))
+        sources[id(module)] = ServedRows(client, name, refresh)
+        module.attach(sources[id(module)])
         module.given = None
-    return model
+    return grouped_reads(model, sources)
