@@ -13,12 +13,12 @@ by raw gRPC messages, one channel per reader (as separate clients).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
 import pytest
+from support.waiting import wait_for
 
 from paramserver.config import ServerConfig
 from paramserver.placement import TensorSpec, place
@@ -153,10 +153,12 @@ def test_a_stalled_stream_is_cancelled_at_its_deadline_and_frees_what_it_held(
     held, refused = _open_stalled(cluster.address, "ExportRows", export, 2)
     try:
         assert len(held) == 2 and not refused
-        deadline = time.monotonic() + PATIENCE
-        while (servicer.streams.streams or servicer.exports.copies) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert servicer.streams.streams == 0 and servicer.exports.copies == 0
+        wait_for(
+            lambda: servicer.streams.streams == 0 and servicer.exports.copies == 0,
+            PATIENCE,
+            "the stalled streams to be cancelled and their copies freed",
+            0.1,
+        )
         assert servicer.streams.cancelled >= 2
         for _, stream in held:  # type: ignore[misc]
             with pytest.raises(grpc.RpcError) as info:

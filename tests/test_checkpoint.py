@@ -13,7 +13,6 @@ import hashlib
 import inspect
 import json
 import struct
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import safetensors.torch
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.waiting import wait_for
 
 from paramserver.config import ServerConfig
 from paramserver.placement import TensorSpec, place
@@ -589,10 +589,7 @@ def _weights_after(steps: int) -> dict[str, torch.Tensor]:
 def _wait_for_checkpoint(directory: Path, index: int, version: int, timeout: float = 10.0) -> Snapshot:
     """Wait for the background writer to put a shard's checkpoint of one version in place, and load it."""
     path = checkpoint.path_for(directory, index, version)
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"no checkpoint {path.name} after {timeout} s"
-        time.sleep(0.02)
+    wait_for(path.exists, timeout, f"checkpoint {path.name}", 0.02)
     return checkpoint.load(path)  # the file appears by rename, complete
 
 
@@ -704,11 +701,12 @@ def test_a_tick_takes_a_checkpoint_once_the_interval_has_passed(tmp_path: Path) 
     shard = _pushed_shard(config, pushes=3)
     try:
         assert shard.describe().stats.checkpoints == 0, "pushes never checkpoint on a time-based schedule"
-        deadline = time.monotonic() + 60.0
-        while shard.describe().stats.checkpoints == 0:
-            assert time.monotonic() < deadline, "no tick took a checkpoint in 60 s of a 0.05 s schedule"
-            time.sleep(0.01)
+
+        def ticked() -> int:
             shard.tick()
+            return shard.describe().stats.checkpoints
+
+        wait_for(ticked, 60.0, "a tick to take a checkpoint on a 0.05 s schedule", 0.01)
         snap = _wait_for_checkpoint(tmp_path, 0, 3, timeout=60.0)
         assert snap.version == 3
         assert torch.equal(snap.params, shard.snapshot().params)

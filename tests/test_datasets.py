@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.waiting import wait_for
 
 from paramserver.config import ServerConfig
 from worker.data.fileserver import FileServer
@@ -92,7 +93,7 @@ def test_prefetch_holds_a_bounded_number_of_shards(tmp_path: Path) -> None:
     data = StreamedDataset(str(tmp_path), prefetch=2)
     batches = data.batches(0, 1, 8, seed=0, epoch=0)
     next(batches)
-    time.sleep(1.0)  # the reader runs ahead as far as it may
+    time.sleep(1.0)  # the time under test: the reader runs ahead as far as it may, and no further
     assert data.fetched <= 2 + 2, data.fetched  # the one being taken, `prefetch` queued, one waiting to be queued
     rest = [x for x, _ in batches]
     assert rest and data.fetched >= 24  # and on into the next epoch, up to its bound
@@ -109,9 +110,8 @@ def test_the_reader_runs_on_into_the_next_epoch_and_reads_nothing_twice(digits: 
     before = readers()
     data = StreamedDataset(str(digits), prefetch=2)
     first = _ids(data, 0, 2, epoch=0)
-    time.sleep(1.0)  # the reader reads the next epoch's first shards meanwhile
-    ahead = data.fetched - 3  # rank 0 of 2 reads 3 of the 6 shards an epoch
-    assert ahead >= 1, data.fetched
+    # The reader reads the next epoch's first shards meanwhile (rank 0 of 2 reads 3 of the 6 shards an epoch).
+    wait_for(lambda: data.fetched - 3 >= 1, 30, "the reader to run into the next epoch", 0.02)
     second = _ids(data, 0, 2, epoch=1)
     with StreamedDataset(str(digits)) as fresh:
         assert second == _ids(fresh, 0, 2, epoch=1) and sorted(second) == sorted(first)

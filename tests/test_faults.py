@@ -23,6 +23,7 @@ import pytest
 import torch
 from support.jobs import push_each
 from support.references import local_adam
+from support.waiting import wait_for
 
 from paramserver import LocalCluster, ServerConfig
 from paramserver.placement import TensorSpec, place
@@ -58,17 +59,16 @@ def _version(address: str) -> int:
 
 def _wait_for(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05) -> T:
     """Poll `probe` until it returns something truthy; fail after `timeout` seconds, saying what was awaited."""
-    deadline = time.monotonic() + timeout
-    last: BaseException | None = None
-    while time.monotonic() < deadline:
+    last: list[grpc.RpcError] = []
+
+    def asked() -> T | None:
         try:
-            value = probe()
+            return probe()
         except grpc.RpcError as exc:  # a shard still starting or under load: ask again
-            last, value = exc, None
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last error: {last})")
+            last[:] = [exc]
+            return None
+
+    return wait_for(asked, timeout, lambda: f"{what} (last error: {last[0] if last else None})", interval)
 
 
 class _Workers:

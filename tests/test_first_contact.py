@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support.waiting import wait_for
 
 from paramserver import LocalCluster, ServerConfig
 from paramserver.errors import Unreachable
@@ -192,10 +193,12 @@ def test_sigterm_stops_a_worker_as_ctrl_c_does_it_leaves_the_job(ps_cluster_fact
     )
     try:
         shard = cluster.shards[0]
-        deadline = time.monotonic() + 120
-        while shard.describe().version < 3:
-            assert worker.poll() is None and time.monotonic() < deadline, "the worker did not start training"
-            time.sleep(0.05)
+
+        def trained() -> bool:
+            assert worker.poll() is None, "the worker exited before it trained"
+            return shard.describe().version >= 3
+
+        wait_for(trained, 120, "the worker to train 3 steps", 0.05)
         worker.send_signal(signal.SIGTERM)
         _, stderr = worker.communicate(timeout=60)
     finally:

@@ -168,7 +168,7 @@ def test_a_hello_that_drips_in_is_cut_off_at_the_handshake_deadline(raw: Raw, mo
             except (BrokenPipeError, ConnectionResetError):
                 closed = True
                 break
-            time.sleep(0.2)
+            time.sleep(0.2)  # the drip's pace: a byte every 0.2 s
         assert closed or _closed_within(bell), "a dripping hello kept its connection"
     assert _refused(registry, "data", "handshake_timeout") >= 1
 

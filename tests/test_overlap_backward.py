@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 
@@ -28,6 +27,7 @@ import torch
 from support import data_socket as ds
 from support.data_socket import GRAD, MALFORMED
 from support.raw_job import OK_BYTE, Bell, Raw, error
+from support.waiting import wait_for
 from torch import nn
 
 from paramserver.config import ServerConfig
@@ -362,9 +362,7 @@ def test_pushes_following_backward_take_the_link_a_piece_at_a_time_lowest_shard_
     waiting = [threading.Thread(target=piece, args=(k,)) for k in (1, 0)]
     for t in waiting:
         t.start()
-    deadline = time.monotonic() + 30
-    while len(turns._asking) < 2 and time.monotonic() < deadline:  # both asking while shard 2 sends
-        time.sleep(0.01)
+    wait_for(lambda: len(turns._asking) >= 2, 30, "both to ask while shard 2 sends", 0.01)
     assert order == []
     turns.give(2)  # shard 2 waits for backward: the lowest shard asking goes first
     for t in waiting:

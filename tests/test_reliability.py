@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from support.waiting import wait_for
 
 from paramserver.config import ServerConfig
 from paramserver.errors import ERROR_KEY, InvalidArgument, StaleRound, UnknownWorker
@@ -227,10 +228,9 @@ def test_a_sync_worker_waits_past_the_pull_timeout_for_a_worker_that_joins_late(
     early = threading.Thread(target=worker("early"), daemon=True)
     with caplog.at_level(logging.WARNING, logger="worker.train.trainer"):
         early.start()
-        deadline = time.monotonic() + CALL_TIMEOUT
-        while not cluster.servers[0].shard.policy.in_progress() and time.monotonic() < deadline:
-            time.sleep(0.02)  # until its first gradient waits in round 0
-        time.sleep(1.0)  # three pull timeouts and more
+        policy = cluster.servers[0].shard.policy
+        wait_for(policy.in_progress, 30, "the first worker's gradient to wait in round 0", 0.02)
+        time.sleep(1.0)  # the duration under test: three pull timeouts and more
         assert early.is_alive(), "the first worker gave up before the second one joined"
         _in_threads([worker("late")])
         early.join(30)
@@ -551,7 +551,7 @@ def test_heartbeats_keep_an_idle_worker_in_the_job(ps_cluster_factory: Callable[
     config = ServerConfig(mode="sync", workers=1, optimizer="sgd", lr=1.0, lease_timeout=1.0)
     cluster = ps_cluster_factory(config, shards=2)
     with PSClient(cluster.address, worker_id="idle", timeout=CALL_TIMEOUT):
-        time.sleep(3.0)  # three lease timeouts without a single pull or push
+        time.sleep(3.0)  # the duration under test: three lease timeouts without a single pull or push
         statuses = [s.describe() for s in cluster.shards]
     assert [s.live_workers for s in statuses] == [1, 1]
     assert [s.stats.evictions for s in statuses] == [0, 0]
@@ -566,12 +566,16 @@ def test_a_heartbeat_outage_is_logged_when_it_starts_and_when_it_ends(caplog: py
         ):
             cluster.kill(0, signal.SIGSTOP)  # the shard hears nothing and answers nothing: every heartbeat times out
             try:
-                time.sleep(5.0)  # two heartbeats or more (one every 2 s: a 1 s wait, then a 1 s timeout) fail
+                # The stall under test: two heartbeats or more (one every 2 s: a 1 s wait, then a 1 s timeout) fail.
+                time.sleep(5.0)
             finally:
                 cluster.kill(0, signal.SIGCONT)
-            deadline = time.monotonic() + 10.0
-            while time.monotonic() < deadline and not any("answered again" in r.getMessage() for r in caplog.records):
-                time.sleep(0.1)
+            wait_for(
+                lambda: any("answered again" in r.getMessage() for r in caplog.records),
+                30,
+                "the client to log that the shard answered again",
+                0.1,
+            )
     messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name.startswith("worker.client")]
     failed = [m for level, m in messages if "heartbeat to shard" in m and level == logging.WARNING]
     assert len(failed) == 1 and cluster.address in failed[0] and "lease timeout" in failed[0], messages
@@ -604,10 +608,8 @@ def test_a_push_from_an_evicted_worker_is_aborted_and_changes_nothing(
     stub.Init(iter(init), timeout=CALL_TIMEOUT)
     assert stub.Push(iter(_push_messages("ghost", 1, 0, digest, grad)), timeout=CALL_TIMEOUT).applied
 
-    deadline = time.monotonic() + 10.0
-    while shard.describe().stats.evictions == 0:  # silent past its 1 s lease: the maintenance thread evicts it
-        assert time.monotonic() < deadline, "the silent worker was never evicted"
-        time.sleep(0.05)
+    # Silent past its 1 s lease: the maintenance thread evicts it.
+    wait_for(lambda: shard.describe().stats.evictions, 30, "the silent worker to be evicted", 0.05)
     before = shard.state_bytes()
 
     with pytest.raises(grpc.RpcError) as info:

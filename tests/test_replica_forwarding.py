@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from support.waiting import wait_for
 
 from paramserver.config import ServerConfig
 from paramserver.errors import InvalidArgument
@@ -36,18 +37,14 @@ def _copies(cluster: LocalCluster, shard: int) -> tuple[Shard, Shard]:
 
 
 def _same_state(primary: Shard, backup: Shard) -> None:
-    deadline = time.monotonic() + 20
-    while backup.version < primary.version and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: backup.version >= primary.version, 20, "the backup to reach the primary's version", 0.01)
     assert backup.version == primary.version
     assert primary.state_bytes() == backup.state_bytes(), "the copies' weights or optimizer state differ"
 
 
 def _same_dense(primary: Shard, backup: Shard) -> None:
     """The version, the weights and the optimizer's state are byte-identical (the rows aside)."""
-    deadline = time.monotonic() + 20
-    while backup.version < primary.version and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: backup.version >= primary.version, 20, "the backup to reach the primary's version", 0.01)
     assert backup.version == primary.version
     assert primary.model is not None and backup.model is not None
     assert primary.model.params.numpy().tobytes() == backup.model.params.numpy().tobytes()
@@ -221,7 +218,7 @@ def test_a_backup_that_goes_away_mid_push_leaves_the_primary_serving(
         done = threading.Event()
 
         def kill_soon() -> None:
-            time.sleep(0.3)
+            time.sleep(0.3)  # a moment into training, wherever the pushes are: the kill is the test's fault
             cluster.kill(1 - cfg.primary)
             done.set()
 

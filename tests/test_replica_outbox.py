@@ -116,7 +116,7 @@ def test_a_record_goes_out_only_once_the_pushes_it_names_are_whole(link: tuple[O
     fwd = box.forward(_data(4, 3), limit=4)
     assert fwd is not None
     assert box.post([_message(1)], needs=[fwd])  # queued while none of the push is final
-    time.sleep(0.2)
+    time.sleep(0.2)  # a while, in which nothing may go out: the record waits for the push it names
     assert backup.events == []
     fwd.complete()
     events = backup.wait_for(("message", 1, 0))

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from support.waiting import wait_for
 
 from paramserver.config import ServerConfig
 from paramserver.coord import Etcd, PartConfig, PartRegister
@@ -92,9 +92,7 @@ def test_both_copies_hold_the_same_state_and_the_backup_refuses_workers(
         # A push is acknowledged once both copies hold it; the backup applies what it holds right after it answered.
         for shard in range(2):
             primary, backup = (cluster.shards[2 * shard + copy] for copy in (0, 1))
-            deadline = time.monotonic() + 10
-            while backup.version < primary.version and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for(lambda b=backup, p=primary: b.version >= p.version, 30, "the backup to apply what it holds", 0.01)
             assert primary.version == backup.version == 15
             assert primary.state_bytes() == backup.state_bytes(), "the copies' weights or Adam state differ"
             assert backup.standby and not primary.standby

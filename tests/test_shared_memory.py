@@ -43,6 +43,7 @@ from support.raw_job import (
     small_model,
 )
 from support.references import local_sgd
+from support.waiting import wait_for
 
 from paramserver.config import ServerConfig
 from paramserver.errors import NonFiniteGradient, NotAttached
@@ -135,15 +136,9 @@ def _accounted(inodes: Iterable[int]) -> bool:
     return all(fds[i] <= 1 + maps[i] for i in inodes)
 
 
-def _eventually(probe: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        gc.collect()
-        if probe():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
+def _eventually(probe: Callable[[], bool], what: str | Callable[[], str]) -> None:
+    """Wait for `probe`, garbage collecting before each try (a dropped segment's mapping goes with its object)."""
+    wait_for(lambda: gc.collect() >= 0 and probe(), 30, what, 0.05)
 
 
 def _uses_shm(client: PSClient) -> bool:
@@ -261,8 +256,8 @@ def test_shard_with_shared_memory_disabled_gets_streams_and_no_segment_stays(
         assert client.push_pull(g) == 2
         assert all(link.fallback is not None for link in client.links)
         assert _uses_streams(client)
-        assert _eventually(lambda: _fds() == before), "a refused segment's memfd is still open"
-        assert _eventually(lambda: _mapped() == mapped), "a refused segment is still mapped"
+        _eventually(lambda: _fds() == before, "the refused segment's memfd to close")
+        _eventually(lambda: _mapped() == mapped, "the refused segment's mapping to go")
     expected = local_sgd(start, grads, lr)
     for name, value in expected.items():
         assert torch.equal(g[name], value), name
@@ -285,8 +280,8 @@ def test_shard_with_shared_memory_disabled_gets_streams_and_no_segment_stays(
         assert "disabled" in (info.value.details() or "")
     finally:
         seg.close()
-    assert _eventually(lambda: _fds() == before), "a refused segment's memfd is still open"
-    assert _eventually(lambda: _mapped() == mapped), "the shard mapped a segment it refused"
+    _eventually(lambda: _fds() == before, "the refused segment's memfd to close")
+    _eventually(lambda: _mapped() == mapped, "no mapping of the refused segment")
 
 
 # -- 3. the segment itself, and nothing left behind ------------------------------------------------------------------
@@ -338,8 +333,8 @@ def test_segment_layout_and_seals() -> None:
     finally:
         seg.close()
     assert not _holds(fd, inode), "Segment.close left the creator's memfd open"
-    assert _eventually(lambda: _fds() == before), "a closed segment's memfd is still open"
-    assert _eventually(lambda: _mapped() == mapped), "a closed segment is still mapped"
+    _eventually(lambda: _fds() == before, "the closed segment's memfd to close")
+    _eventually(lambda: _mapped() == mapped, "the closed segment's mapping to go")
     assert _gone(inode)
 
 
@@ -363,9 +358,9 @@ def test_no_segment_outlives_its_client(ps_cluster_factory: Callable[..., LocalC
     finally:
         client.close()
     assert not any(_holds(fd, inode) for fd, inode in fds.items()), "the client left a memfd open"
-    assert _eventually(lambda: _fds() == before), f"still open: {_fds() - before}"
+    _eventually(lambda: _fds() == before, lambda: f"every fd to close (still open: {_fds() - before})")
     # The client unmapped its segments, and the shards dropped theirs when the worker left.
-    assert _eventually(lambda: _mapped() == mapped), f"still mapped: {_mapped() - mapped}"
+    _eventually(lambda: _mapped() == mapped, lambda: f"every mapping to go (still mapped: {_mapped() - mapped})")
     assert all(_gone(inode) for inode in fds.values())
 
 
@@ -539,7 +534,7 @@ def test_bad_attach_is_refused_and_attaches_nothing(
     assert detail in got[2], got
     assert raw.shard.state_bytes() == before
     assert not set(raw.never_open) & set(opened), f"the shard opened {raw.never_open} before refusing it"
-    assert _eventually(lambda: _mapped() == mapped), "the shard kept a mapping of what it refused"
+    _eventually(lambda: _mapped() == mapped, "the shard to drop its mapping of what it refused")
     # Nothing was attached for the worker: an Exchange still finds no segment.
     assert raw.refused(lambda: raw.exchange(pull=True))[:2] == (FP, "NotAttached")
     # The same segment, offered properly, is taken (the refusal was for the one thing changed).
@@ -853,7 +848,7 @@ def test_client_reattaches_after_a_shard_process_restart(tmp_path: Path) -> None
             for name in expected:
                 assert torch.equal(model[name], expected[name]), name
             assert not _holds(first_fd, first_inode), "a re-attach left the old segment's memfd open"
-            assert _eventually(lambda: _gone(first_inode)), "the old segment is still mapped"
+            _eventually(lambda: _gone(first_inode), "the old segment's mapping to go")
             assert set(_fds()) == set(before) | {_inode(second)} and _accounted([_inode(second)])
             assert _inode(second) in _mapped(cluster.procs[0].pid)
 
@@ -901,7 +896,7 @@ def test_client_reattaches_when_its_doorbell_connection_is_lost(
         now = {_pid_fd(s)[1]: _inode(s) for s in _segments(client)}
         assert not set(now.values()) & set(old.values())
         assert not any(_holds(fd, inode) for fd, inode in old.items()), "a dropped segment's memfd is still open"
-        assert _eventually(lambda: all(_gone(inode) for inode in old.values())), "a dropped segment is still mapped"
+        _eventually(lambda: all(_gone(inode) for inode in old.values()), "the dropped segments' mappings to go")
         assert set(_fds()) == set(before) | set(now.values()) and _accounted(now.values())
         assert all(_mapped()[inode] == 2 for inode in now.values())
 
@@ -1009,7 +1004,7 @@ def test_a_segment_cannot_be_truncated_under_the_shard_process() -> None:
                 assert (reply.version, reply.applied, reply.pulled.version) == (1, True, 1)
                 expected = torch.from_numpy(w0).add_(torch.from_numpy(grad), alpha=-config.lr).numpy()
                 assert np.array_equal(seg.weights, expected)
-            time.sleep(0.3)
+            time.sleep(0.3)  # a while after the exchanges: the shard process must stay up, not just answer
             assert cluster.poll() == [None], f"the shard process died: exit status {cluster.poll()[0]}"
             # A reader on the streams gets the same weights from the shard process.
             with PSClient(cluster.address, job_name=JOB, join=False, shared_memory=False) as reader:
