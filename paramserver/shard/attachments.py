@@ -14,8 +14,8 @@ from paramserver.errors import InvalidArgument, NotAttached, SharedMemoryUnavail
 from paramserver.transport import shm
 
 if TYPE_CHECKING:
+    from paramserver.shard.membership import Membership
     from paramserver.shard.model import ShardModel
-    from paramserver.shard.state import Shard
 
 log = logging.getLogger(__name__)
 
@@ -41,20 +41,31 @@ class Attachments:
     worker attached again, left, or was evicted).
     """
 
-    def __init__(self, shard: Shard, lock: threading.Condition) -> None:
-        self._shard = shard
-        self._lock = lock
+    def __init__(
+        self,
+        index: int,
+        shared_memory: bool,
+        lock: threading.Condition,
+        membership: Membership,
+        require_model: Callable[[str], ShardModel],
+        check_worker: Callable[[str], None],
+    ) -> None:
+        self._index = index
+        self._shared_memory = shared_memory  # --no-shared-memory: False
+        self._lock = lock  # the shard's
+        self._membership = membership
+        self._require_model = require_model  # the held model, checked against a digest
+        self._check_worker = check_worker  # a live worker of a shard that serves
         self._by_worker: dict[str, Attachment] = {}
         self._connection: dict[str, Callable[[], None]] = {}  # worker -> what ends its proven connection
 
     def attach_segment(self, worker_id: str, name: str, nonce: bytes, elements: int, digest: str) -> None:
         """Map a live worker's shared-memory segment for its Exchanges (replacing any earlier attachment)."""
-        shard = self._shard
-        if not shard.config.shared_memory:
-            raise SharedMemoryUnavailable(f"shard {shard.index} runs with shared memory disabled (--no-shared-memory)")
+        if not self._shared_memory:
+            raise SharedMemoryUnavailable(f"shard {self._index} runs with shared memory disabled (--no-shared-memory)")
         self._check(worker_id, elements, digest)
         self._put(worker_id, shm.Segment.open(name, nonce, elements))
-        log.debug("shard %d: worker %s attached shared-memory segment %s", shard.index, worker_id, name)
+        log.debug("shard %d: worker %s attached shared-memory segment %s", self._index, worker_id, name)
 
     def attach_socket(self, worker_id: str, nonce: bytes, elements: int, digest: str) -> None:
         """Take a live worker's data-socket ticket (replacing any earlier attachment)."""
@@ -64,14 +75,14 @@ class Attachments:
         self._put(worker_id, Ticket(bytes(nonce), elements))
 
     def _check(self, worker_id: str, elements: int, digest: str) -> None:
-        model = self._shard.require_model(digest)
+        model = self._require_model(digest)
         if elements != model.numel:
             raise InvalidArgument(f"an attachment for {elements} elements to a shard of {model.numel}")
-        self._shard.check_worker(worker_id)
+        self._check_worker(worker_id)
 
     def _put(self, worker_id: str, attachment: Attachment) -> None:
         with self._lock:
-            self._shard.membership.get(worker_id)  # it may have left meanwhile
+            self._membership.get(worker_id)  # it may have left meanwhile
             self._by_worker[worker_id] = attachment
             self._end_connection(worker_id)
 
@@ -80,7 +91,7 @@ class Attachments:
         "data_socket": a ticket), is this segment or ticket, and has not proven a connection yet (a connection's
         proof on the doorbell or data socket); `close` ends the connection once the attachment does."""
         with self._lock:
-            self._shard.membership.get(worker_id)
+            self._membership.get(worker_id)
             attached = self._by_worker.get(worker_id)
             # The kind first: a ticket's name is "", so a segment hello named "" with a ticket's nonce would
             # otherwise pass as that ticket.
@@ -91,10 +102,10 @@ class Attachments:
                 or attached.name != name
                 or not hmac.compare_digest(attached.nonce, nonce)
             ):
-                raise NotAttached(f"worker {worker_id} has no such attachment on shard {self._shard.index}")
+                raise NotAttached(f"worker {worker_id} has no such attachment on shard {self._index}")
             if worker_id in self._connection:
                 raise NotAttached(
-                    f"worker {worker_id}'s attachment on shard {self._shard.index} has proven its connection "
+                    f"worker {worker_id}'s attachment on shard {self._index} has proven its connection "
                     "already: attach again for another"
                 )
             self._connection[worker_id] = close
@@ -107,17 +118,17 @@ class Attachments:
     def get(self, worker_id: str, model: ShardModel) -> Attachment:
         """The live worker's segment or ticket for `model`; NotAttached if it has none."""
         with self._lock:
-            self._shard.membership.get(worker_id)
+            self._membership.get(worker_id)
             attached = self._by_worker.get(worker_id)
         if attached is None or attached.elements != model.numel:
-            raise NotAttached(f"worker {worker_id} has nothing attached for this model on shard {self._shard.index}")
+            raise NotAttached(f"worker {worker_id} has nothing attached for this model on shard {self._index}")
         return attached
 
     def segment(self, worker_id: str, model: ShardModel) -> shm.Segment:
         """The live worker's attached segment for `model`; NotAttached if it has none."""
         attached = self.get(worker_id, model)
         if not isinstance(attached, shm.Segment):
-            raise NotAttached(f"worker {worker_id} has no shared-memory segment attached on shard {self._shard.index}")
+            raise NotAttached(f"worker {worker_id} has no shared-memory segment attached on shard {self._index}")
         return attached
 
     def drop(self, worker_id: str) -> None:

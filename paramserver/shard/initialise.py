@@ -7,23 +7,43 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from paramserver.config import ServerConfig
 from paramserver.errors import AlreadyInitialized, InitInProgress, ModelMismatch
 from paramserver.placement import TensorSpec
+from paramserver.shard.durability.persistence import Checkpoints
 from paramserver.shard.model import ShardModel, build_model, place_init
 from paramserver.tables import TableSpec
 
-if TYPE_CHECKING:
-    from paramserver.shard.state import Shard
-
 log = logging.getLogger(__name__)
+
+
+class InitHost(Protocol):
+    """What an Init needs of its shard."""
+
+    index: int
+    config: ServerConfig
+    addresses: tuple[str, ...]
+    model: ShardModel | None
+    version: int
+    checkpoints: Checkpoints
+
+    @property
+    def durable(self) -> bool:
+        """Whether an update is acknowledged only once durable (a log, or a backup)."""
+
+    def adopt_locked(self, model: ShardModel, version: int) -> None:
+        """Hold `model` at `version` from now on (under the lock)."""
+
+    def checkpoint_locked(self) -> None:
+        """Hand a snapshot to the checkpoint writer now (under the lock)."""
 
 
 class InitSlot:
     """The shard's one Init slot and the checks around it."""
 
-    def __init__(self, shard: Shard, lock: threading.Condition) -> None:
+    def __init__(self, shard: InitHost, lock: threading.Condition) -> None:
         self._shard = shard
         self._lock = lock  # the shard's
         self._slot = threading.Lock()

@@ -1,17 +1,14 @@
 """A shard's maintenance: the background thread that evicts silent workers, says what a long round waits for, and
-takes the time-based checkpoints. Each tick runs under the shard's lock."""
+takes the time-based checkpoints. Each tick runs under the shard's lock; it is given what it acts on (the shard's
+lock and closing flag, and what evicts, times the round and checkpoints), not the shard."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
-
-from paramserver.shard import roster
-
-if TYPE_CHECKING:
-    from paramserver.shard.state import Shard
+from collections.abc import Callable
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -19,12 +16,28 @@ log = logging.getLogger(__name__)
 WAIT_LOG_SECONDS = 5.0
 
 
-class Maintenance:
-    """Tick a shard every min(1 s, lease_timeout / 4) from `start` until the shard closes."""
+@dataclass(frozen=True)
+class Duties:
+    """What a tick does to its shard (each called under the shard's lock)."""
 
-    def __init__(self, shard: Shard, lock: threading.Condition) -> None:
-        self._shard = shard
-        self._lock = lock
+    evict: Callable[[float | None], None]  # evict the workers whose lease ran out by then (None: now)
+    round_age: Callable[[], float]  # how long the current round has waited (0: none waits)
+    waiting_for: Callable[[], str]  # what it waits for, in words
+    checkpoint_due: Callable[[], bool]  # whether a time-based checkpoint is due
+    checkpoint: Callable[[], None]  # take one
+
+
+class Maintenance:
+    """Tick a shard every `interval` seconds from `start` until `closed()` or `stop`."""
+
+    def __init__(
+        self, index: int, interval: float, lock: threading.Condition, closed: Callable[[], bool], duties: Duties
+    ) -> None:
+        self._index = index
+        self._interval = interval
+        self._lock = lock  # the shard's
+        self._closed = closed
+        self._duties = duties
         self._thread: threading.Thread | None = None
         self._last_wait_log = 0.0
         # Its own event to sleep on, not the shard's condition: that one is notified at every version a push makes,
@@ -34,15 +47,14 @@ class Maintenance:
     def start(self) -> None:
         """Start the thread (once)."""
         if self._thread is None:
-            name = f"shard{self._shard.index}-leases"
+            name = f"shard{self._index}-leases"
             self._thread = threading.Thread(target=self._run, name=name, daemon=True)
             self._thread.start()
 
     def _run(self) -> None:
-        interval = min(1.0, self._shard.config.lease_timeout / 4)
-        while not self._stopping.wait(interval):  # `stop` wakes it at once
+        while not self._stopping.wait(self._interval):  # `stop` wakes it at once
             with self._lock:
-                if self._shard.closed:
+                if self._closed():
                     return
                 self.tick()
 
@@ -52,16 +64,16 @@ class Maintenance:
 
     def tick(self, now: float | None = None) -> None:
         """Evict workers whose lease ran out, log a long wait, take a checkpoint when one is due."""
-        shard = self._shard
+        duties = self._duties
         with self._lock:
-            roster.evict_expired(shard, now)
-            waited = shard.policy.round_age()
+            duties.evict(now)
+            waited = duties.round_age()
             clock = time.monotonic()
             if waited > WAIT_LOG_SECONDS and clock - self._last_wait_log > WAIT_LOG_SECONDS:
                 self._last_wait_log = clock
-                log.warning("shard %d: waiting %.0f s: %s", shard.index, waited, shard.policy.waiting_for(shard))
-            if shard.checkpoints.due_now():
-                shard.checkpoint_locked()
+                log.warning("shard %d: waiting %.0f s: %s", self._index, waited, duties.waiting_for())
+            if duties.checkpoint_due():
+                duties.checkpoint()
 
     def join(self, timeout: float) -> None:
         """Wait for the thread to end (once the shard is closed)."""

@@ -9,6 +9,7 @@ the attachments and the checkpoints are modules of their own beside this one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -37,7 +38,7 @@ from paramserver.shard.consistency import make_policy
 from paramserver.shard.durability import persistence
 from paramserver.shard.durability.checkpoint import Snapshot
 from paramserver.shard.initialise import InitSlot
-from paramserver.shard.maintenance import Maintenance
+from paramserver.shard.maintenance import Duties, Maintenance
 from paramserver.shard.membership import AppliedLog, Membership
 from paramserver.shard.model import ShardModel
 from paramserver.shard.pool import BufferPool
@@ -74,7 +75,11 @@ class Shard:
         self._cond = threading.Condition()
         self._closed = False
         self.checkpoints = persistence.Checkpoints(config)
-        self.maintenance = Maintenance(self, self._cond)
+        evict, waits = functools.partial(roster.evict_expired, self), functools.partial(self.policy.waiting_for, self)
+        duties = Duties(evict, self.policy.round_age, waits, self.checkpoints.due_now, self.checkpoint_locked)
+        self.maintenance = Maintenance(
+            index, min(1.0, config.lease_timeout / 4), self._cond, lambda: self._closed, duties
+        )
         self.finished_workers = 0
         self.done = threading.Event()  # set once every worker of the job finished and none is live
         self.metrics = ShardMetrics(index)
@@ -85,7 +90,9 @@ class Shard:
         self.consumers.add(self.metrics)
         self.publication = Publication(0, 0)  # what serving copies ask about (a model's tables once it has one)
         self.metrics.watch_tables(lambda: self.model.tables.figures() if self.model is not None else [])
-        self.attachments = Attachments(self, self._cond)  # each worker's segment or data-socket ticket
+        self.attachments = Attachments(  # each worker's segment or data-socket ticket
+            index, config.shared_memory, self._cond, self.membership, self.require_model, self.check_worker
+        )
         # A new value each time a shard process starts: versions a worker waits for refer to one incarnation.
         self.incarnation = uuid.uuid4().hex
         self.init_slot = InitSlot(self, self._cond)
