@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from paramserver.tables import TableSpec
 
 STATE_KEYS = ("ids", "values", "optimizer_state", "versions", "times", "count_ids", "counts", "step")
+
+
+def clock_shift() -> float:
+    """time.time() - time.monotonic(), now: a row's last-update time is monotonic in a shard's memory (eviction by
+    age compares it with now) and wall-clock seconds in what outlives the process (a checkpoint's "times", an
+    Update's `wall` in the log); add this to go from the first to the second, subtract it to come back."""
+    return time.time() - time.monotonic()
 
 
 def checked_state(spec: TableSpec, state_cols: int, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

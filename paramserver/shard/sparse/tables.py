@@ -23,6 +23,7 @@ from paramserver.shard.sparse.row_blocks import RowBlock, joined, planned
 from paramserver.shard.sparse.row_optimizers import row_optimizer
 from paramserver.shard.sparse.row_store import RowGroup
 from paramserver.shard.sparse.sparse_in import SparseIn
+from paramserver.shard.sparse.table_state import clock_shift
 from paramserver.tables import TableSpec, shard_of
 from paramserver.v1 import ps_pb2
 
@@ -379,7 +380,7 @@ class ShardTables:
     def apply(self, blocks: Sequence[RowBlock], version: int, wall: float | None = None) -> None:
         """Apply one update's row gradients (each block's IDs unique), then evict what the tables' policies and
         the memory cap say. `wall`: when the update first applied (time.time(); a replay's), else now."""
-        now = time.monotonic() if wall is None else wall - (time.time() - time.monotonic())
+        now = time.monotonic() if wall is None else wall - clock_shift()
         # The job's learning-rate schedule scales every table's rate as it scales the dense one's (a function of the
         # version, so a replay applies the same rates).
         config = self.config
@@ -431,7 +432,7 @@ class ShardTables:
     def snapshot(self) -> list[dict[str, np.ndarray]]:
         """Every table's rows, optimizer state and admission counts, as copies (for a checkpoint). Last-update
         times are kept as wall-clock seconds, so that age-based eviction goes on right in another process."""
-        shift = time.time() - time.monotonic()
+        shift = clock_shift()
         out = []
         for table in self.tables:
             state = {k: np.array(v, copy=True) for k, v in table.state().items()}
@@ -443,7 +444,7 @@ class ShardTables:
         """Take the tables' rows from a checkpoint's `snapshot` (ValueError when they do not fit the tables)."""
         if len(states) != len(self.specs):
             raise ValueError(f"the checkpoint holds {len(states)} tables, the model {len(self.specs)}")
-        shift = time.time() - time.monotonic()
+        shift = clock_shift()
         moved = []
         for state in states:
             state = dict(state)
