@@ -11,6 +11,7 @@ from typing import TypeVar
 
 from paramserver.errors import PSError
 from worker.client.link import ShardLink
+from worker.client.transports import CALLER_SHARD
 
 T = TypeVar("T")
 
@@ -29,7 +30,8 @@ def fan_out(
     raised, once every shard has finished. `meanwhile` runs in this thread once all have begun (backward, while
     the pushes go): if it raises, that is raised once every shard has finished (or failed)."""
     waits: list[Callable[[], T] | PSError] = [PSError()] * len(links)
-    for k in reversed(range(len(links))):  # shard 0 last: its wait may run in this thread
+    # The caller's shard last (its part runs in this thread: transports.CALLER_SHARD), the others under way first.
+    for k in sorted(reversed(range(len(links))), key=lambda k: links[k].index == CALLER_SHARD):
         try:
             waits[k] = links[k].call(functools.partial(start, links[k]))
         except PSError as exc:

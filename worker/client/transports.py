@@ -40,6 +40,9 @@ INLINE_BYTES = CHUNK_BYTES
 
 Answer = Callable[[], ps_pb2.ExchangeResponse]
 _SERVICE = "/paramserver.v1.ParameterServer/"
+# The shard whose part of an exchange runs in the caller's thread, the others' in pool threads: fan_out begins it
+# last, so that theirs are under way while it runs.
+CALLER_SHARD = 0
 
 
 @dataclass
@@ -60,6 +63,11 @@ class Job:
     compress: Callable[[list[np.ndarray]], Encoded | None] | None = None
     # The push's gradient as backward makes it (`grads` is None then): see Transport.exchange_as_ready.
     feed: GradientFeed | None = None
+
+    @property
+    def in_caller(self) -> bool:
+        """Whether this part runs in the caller's thread (CALLER_SHARD's), not in a pool thread."""
+        return self.shard == CALLER_SHARD
 
     @property
     def pushes(self) -> bool:
@@ -199,9 +207,8 @@ class Grpc(Transport):
             return reply
 
         # Blocking calls, not gRPC futures (those start a thread per call when a channel is idle: milliseconds on
-        # a busy machine). Shard 0 is started last (see PSClient) and runs in the caller's thread meanwhile; the
-        # others run in pool threads.
-        return finish if k == 0 else self.pool.submit(finish).result
+        # a busy machine): the caller's shard in its thread, begun last, the others in pool threads meanwhile.
+        return finish if job.in_caller else self.pool.submit(finish).result
 
     def _streams(self, job: Job) -> ps_pb2.ExchangeResponse:
         """A Push stream, then a Pull stream."""
@@ -367,10 +374,10 @@ class DataSocket(Transport):
             finally:
                 job.turns.done(job.shard)
             return functools.partial(self._receive, job)
-        # A large part, pushed or pulled: the whole exchange in one thread per shard (shard 0 in the caller's), so
-        # the transfers overlap; collected in one thread, shard 1's weights would wait in its socket for shard 0's.
+        # A large part, pushed or pulled: the whole exchange in one thread per shard (the caller's shard in its own),
+        # so the transfers overlap; collected in one thread, shard 1's weights would wait in its socket for shard 0's.
         exchange = functools.partial(self._large, job)
-        return exchange if job.shard == 0 else self._pool.submit(exchange).result
+        return exchange if job.in_caller else self._pool.submit(exchange).result
 
     def exchange_as_ready(self, job: Job) -> ps_pb2.ExchangeResponse:
         """A large part's pieces go last first (ExchangeRequest.last_piece_first), each as soon as backward has
