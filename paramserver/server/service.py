@@ -13,7 +13,7 @@ import numpy as np
 
 from paramserver import modes
 from paramserver.errors import DataSocketUnavailable, InvalidArgument, MalformedStream, TooLarge, rpc_errors
-from paramserver.placement import SLICE_ELEMENTS, TensorSpec
+from paramserver.placement import SLICE_ELEMENTS
 from paramserver.server import heap
 from paramserver.server.exchange import (
     ChunksGradient,
@@ -38,6 +38,7 @@ from paramserver.tables import TableSpec, spec_from_proto, spec_to_proto
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire import bounds, codec
 from paramserver.wire.chunks import CHUNK_BYTES, ChunkReceiver, itemsize, wire_dtype
+from paramserver.wire.specs import specs_from_proto, specs_to_proto
 
 
 class ClientStream:
@@ -98,16 +99,6 @@ class ClientStream:
             else:
                 raise MalformedStream("only chunks" + (" and rows" if rows else "") + " may follow the header")
         receiver.finish()
-
-
-def specs_from_proto(specs: Iterable[ps_pb2.TensorSpec]) -> list[TensorSpec]:
-    """Convert wire tensor specs, refusing empty names."""
-    out = []
-    for s in specs:
-        if not s.name:
-            raise InvalidArgument("every tensor needs a name")
-        out.append(TensorSpec(s.name, tuple(int(d) for d in s.shape), s.buffer))
-    return out
 
 
 def tables_from_proto(tables: Iterable[ps_pb2.TableSpec]) -> list[TableSpec]:
@@ -203,7 +194,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 ),
                 initialized=d.initialized,
                 model_digest=d.digest,
-                specs=[ps_pb2.TensorSpec(name=s.name, shape=s.shape, buffer=s.buffer) for s in d.specs],
+                specs=specs_to_proto(d.specs),
                 version=d.version,
                 slice_elements=SLICE_ELEMENTS,
                 tables=[spec_to_proto(t) for t in d.tables],

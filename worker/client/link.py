@@ -37,6 +37,7 @@ from paramserver.tables import spec_to_proto
 from paramserver.transport import shm
 from paramserver.transport.socket_client import FrameClient, split_host
 from paramserver.v1 import ps_pb2
+from paramserver.wire.specs import specs_to_proto
 from worker.client.binding import Binding
 from worker.client.compress import Compressor
 from worker.client.feed import GradientFeed
@@ -185,7 +186,7 @@ class ShardLink:
         k = self.index
         header = ps_pb2.InitHeader(
             worker_id=self._session.worker_id,
-            specs=[ps_pb2.TensorSpec(name=s.name, shape=s.shape, buffer=s.buffer) for s in b.placement.specs],
+            specs=specs_to_proto(b.placement.specs),
             num_shards=b.placement.num_shards,
             model_digest=b.digest,
             dtype=ps_pb2.FLOAT32,
