@@ -17,6 +17,7 @@ from paramserver.server.exchange import (
 from paramserver.shard.sparse.tables import MAX_ROWS_BYTES
 from paramserver.transport import shm
 from paramserver.v1 import ps_pb2
+from paramserver.wire.carriers import Carrier, check_fields
 from paramserver.wire.chunks import FLOAT32, wire_dtype
 from paramserver.wire.frames import Payload, Reply
 
@@ -67,33 +68,17 @@ class FrameService:
         the reply is sent."""
         want = Want.of(request)
         model = self.handler.model(request.model_digest)
-        if request.inline:
-            raise MalformedStream("inline Exchanges go over gRPC; a data socket carries the tensors as payloads")
-        if any(e.ids or e.values for e in [*request.rows, *request.lookup]):
-            raise MalformedStream("rows in a frame travel in its payload, not in the message")
-        sparse = model.tables.plan(request.rows, request.lookup)
         attached = self.shard.attachments.get(request.worker_id, model)
-        compressed = request.HasField("compression")
-        if compressed and not request.push:
-            raise MalformedStream("compression describes a pushed gradient: set push, or leave compression unset")
-        if request.last_piece_first and (compressed or not request.push):
-            raise MalformedStream(
-                "last_piece_first orders an uncompressed pushed gradient: set push and leave compression unset, or "
-                "leave last_piece_first unset"
-            )
+        check_fields(request, Carrier.SEGMENT if isinstance(attached, shm.Segment) else Carrier.PAYLOAD)
+        sparse = model.tables.plan(request.rows, request.lookup)
         if isinstance(attached, shm.Segment):
-            if compressed or request.last_piece_first:
-                raise MalformedStream(
-                    "compression and last_piece_first describe a data socket's payload; a segment holds the part "
-                    "whole, in piece order"
-                )
             # The dense part travels in the segment; the payload holds the rows and IDs alone.
             payload.read_into([], FLOAT32, sparse.targets())
             source, sink = segment_route(attached, request, model)
             reply = self.handler.exchange(want, model, source, sink, timeout, sparse)
             return Reply(reply, raw=sparse.answers)
         dtype = wire_dtype(request.dtype)
-        if compressed:
+        if request.HasField("compression"):
             source = CompressedGradient(payload, dtype, request.compression, sparse.targets())
         elif request.push:
             source = PayloadGradient(payload, dtype, sparse.targets(), last_first=request.last_piece_first)

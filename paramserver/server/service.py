@@ -37,6 +37,7 @@ from paramserver.shard.state import Shard
 from paramserver.tables import TableSpec, spec_from_proto, spec_to_proto
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire import bounds, codec
+from paramserver.wire.carriers import Carrier, check_fields
 from paramserver.wire.chunks import CHUNK_BYTES, ChunkReceiver, itemsize, wire_dtype
 from paramserver.wire.specs import specs_from_proto, specs_to_proto
 
@@ -328,10 +329,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Exchange(self, request: ps_pb2.ExchangeRequest, context: grpc.ServicerContext) -> ps_pb2.ExchangeResponse:
         with rpc_errors(context, "Exchange", self.handler.rejected):
             model = self.handler.model(request.model_digest)
-            if request.HasField("compression") or request.last_piece_first:
-                raise MalformedStream(
-                    "compression and last_piece_first describe a data socket's payload, not a gRPC Exchange's"
-                )
+            check_fields(request, Carrier.GRPC)
             if request.inline:
                 source, sink = self._inline_route(request, model)
             elif request.push or request.pull:
@@ -382,8 +380,6 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     f"an inline pull of this shard's part ({model.numel * itemsize(dtype)} bytes) would not fit one "
                     f"message of {limit} bytes (max_message_bytes); pull with the Pull stream"
                 )
-        if not request.push and request.chunks:
-            raise MalformedStream("an Exchange without push carries no gradient chunks")
         return (
             ChunksGradient(request.chunks, dtype, size) if request.push else None,
             ChunksWeights(dtype) if request.pull else None,
