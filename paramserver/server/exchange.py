@@ -427,8 +427,7 @@ class ExchangeHandler:
         shard = self.shard
         held = model if model is not None else shard.require_model(want.digest)
         held.tables.check(sparse.lookups)
-        stale = bool(want.incarnation) and want.incarnation != shard.incarnation and not shard.durable
-        min_version = 0 if stale else want.min_version
+        min_version = reads.wanted(shard, want.min_version, want.incarnation)
         if reply.HasField("pulled"):
             min_version = reply.pulled.version  # the rows of the weights' version, or a later one
         reply.rows_version, sparse.answers = reads.lookup(shard, sparse.lookups, min_version, timeout, want.worker_id)
@@ -439,10 +438,9 @@ class ExchangeHandler:
 
     def _pull(self, want: Want, sink: WeightsSink, timeout: float, reply: ps_pb2.ExchangeResponse) -> None:
         shard = self.shard
-        # A version asked of an earlier incarnation (the shard restarted from an older checkpoint since) may never
-        # come: answer with the current weights instead. A durable shard restarts with every version it told of.
-        stale = bool(want.incarnation) and want.incarnation != shard.incarnation and not shard.durable
-        version, model = sink.pull(shard, 0 if stale else want.min_version, timeout, want.worker_id, reply)
+        # A version of another incarnation may never come: the current weights instead (reads.wanted).
+        min_version = reads.wanted(shard, want.min_version, want.incarnation)
+        version, model = sink.pull(shard, min_version, timeout, want.worker_id, reply)
         try:
             reply.pulled.version = version
             reply.pulled.model_digest = model.digest

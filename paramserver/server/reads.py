@@ -19,6 +19,19 @@ if TYPE_CHECKING:
     from paramserver.shard.state import Shard
 
 
+def same_history(shard: Shard, incarnation: str) -> bool:
+    """Whether the versions a peer names under `incarnation` are this shard's: the same run of its process, or a
+    durable shard's (a restart resumes with every version it told of). Another run of a shard without a log may
+    have restarted from an older checkpoint: a version it told of may never come again."""
+    return incarnation == shard.incarnation or shard.durable
+
+
+def wanted(shard: Shard, min_version: int, incarnation: str) -> int:
+    """The version a pull or lookup waits for: `min_version`, or 0 (the current weights) where it names another
+    history's version (see `same_history`; a request naming no incarnation means this one)."""
+    return 0 if incarnation and not same_history(shard, incarnation) else min_version
+
+
 def wait_for(shard: Shard, min_version: int, timeout: float, worker_id: str = "") -> tuple[int, ShardModel]:
     """Wait until the shard reaches `min_version`; return (version, model)."""
     with shard.lock:
