@@ -98,7 +98,7 @@ def save(
     temporary file of this writer's own beside `path` and renamed over it, so `path` is whole or absent, and
     workers saving to one path at once each leave a whole file there (the last one renamed). Returns rows
     written per table."""
-    client.pull(model)
+    client.pull_own(model)  # this process's pull, in a host group too
     with without_rows():  # the tables are written below, shard by shard
         dense = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
     tables = tables_of(model)

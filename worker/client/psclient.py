@@ -286,11 +286,13 @@ class PSClient:
         registered = self._session.registered
         if registered is not None and registered.digest != self.digest(model):
             raise ModelMismatch(unlike_registered(model, registered, self._registered_kind))
-        group, self.group = self.group, None  # its pull is this process's alone: the group's others may be done
-        try:
-            model_file.save(self, model, path, optimizer_state=optimizer_state)
-        finally:
-            self.group = group
+        model_file.save(self, model, path, optimizer_state=optimizer_state)
+
+    def pull_own(self, obj: Tensors) -> int:
+        """As `pull`, through this process's own links even as a host group's first process (the group's other
+        processes may be done): what `save` reads."""
+        with self._links_busy:
+            return self._exchange_now(self._bind(obj), None, 0, True, None)
 
     def lookup(self, obj: Tensors, table: int, ids: np.ndarray) -> np.ndarray:
         """The current rows of table `table` (its index among the model's SparseEmbedding modules) for these unique
