@@ -26,10 +26,8 @@ from paramserver.coord import PartConfig
 from paramserver.errors import NotPrimary
 from paramserver.server.replica_outbox import Forward, Outbox
 from paramserver.server.replica_stream import (
-    _BEAT,
-    _U32,
-    _U64,
     APPLY,
+    BEAT,
     DONE,
     HEARTBEAT,
     IN_SYNC,
@@ -37,6 +35,8 @@ from paramserver.server.replica_stream import (
     NO_MODEL,
     RECORD,
     SNAPSHOT,
+    U32,
+    U64,
     hello_refusal,
     recv_exact,
     recv_message,
@@ -168,7 +168,7 @@ class Leader:
             for f in forwards:
                 f.abort()
             return False
-        head = APPLY + _U32.pack(len(ours)) + b"".join(_U64.pack(f.id) for f in ours)
+        head = APPLY + U32.pack(len(ours)) + b"".join(U64.pack(f.id) for f in ours)
         if not box.post([head, *parts], needs=ours):
             return False
         box.settle(ours)
@@ -273,7 +273,7 @@ class Leader:
             del snap
             size = path.stat().st_size
             conn.settimeout(self.timeout + size / MIN_BYTES_PER_S)
-            conn.sendall(SNAPSHOT + _U64.pack(size))
+            conn.sendall(SNAPSHOT + U64.pack(size))
             with open(path, "rb") as f:
                 conn.sendfile(f)
         log.info("shard %d copy %d: sent the backup its state (%d bytes)", *self._who(), size)
@@ -301,7 +301,7 @@ class Leader:
         try:
             conn.settimeout(None)  # the watcher judges silence; this thread only reads
             while True:
-                (version,) = _U64.unpack(recv_exact(conn, _U64.size))
+                (version,) = U64.unpack(recv_exact(conn, U64.size))
                 with self._cond:
                     if ident != self._backup_id:
                         return
@@ -348,7 +348,7 @@ class Leader:
             cfg = self._seen()
             flags = IN_SYNC if cfg is not None and self.other in cfg.in_sync else 0
             flags |= DONE if self.shard.done.is_set() else 0
-            beat = HEARTBEAT + _BEAT.pack(self.shard.version, self.shard.finished_workers, flags)
+            beat = HEARTBEAT + BEAT.pack(self.shard.version, self.shard.finished_workers, flags)
         box.post([beat], wait=wait)  # in order behind the updates before it; a failure is `_sender_failed`'s
 
     def _drop_backup_locked(self) -> None:

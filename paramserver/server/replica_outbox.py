@@ -21,7 +21,7 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 
-from paramserver.server.replica_stream import _PART, _U64, DROP, FORWARD
+from paramserver.server.replica_stream import DROP, FORWARD, PART, U64
 
 CHUNK = 4 << 20  # a forwarded push goes out in pieces of at most this many bytes, as they become final
 
@@ -136,7 +136,7 @@ class Outbox:
 
     def queue_drop(self, ident: int) -> None:
         """Tell the backup to drop a forwarded push it holds whole (under `cond`)."""
-        self._messages.append(_Message([DROP + _U64.pack(ident)]))
+        self._messages.append(_Message([DROP + U64.pack(ident)]))
         self.cond.notify_all()
 
     def retire(self, fwd: Forward) -> None:
@@ -217,12 +217,12 @@ class Outbox:
                 fwd.sending = True
         if aborting:
             if fwd.sent:  # the backup holds part of it: tell it to drop that
-                self._send([DROP + _U64.pack(fwd.id)])
+                self._send([DROP + U64.pack(fwd.id)])
             with self.cond:
                 self.retire(fwd)
             return
         try:
-            self._send([FORWARD + _PART.pack(fwd.id, start, end - start), fwd.data[start:end]])
+            self._send([FORWARD + PART.pack(fwd.id, start, end - start), fwd.data[start:end]])
         finally:
             with self.cond:
                 fwd.sending = False

@@ -54,11 +54,12 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT, RECORD, HEARTBEAT = b"S", b"R", b"H"
 FORWARD, DROP, APPLY = b"P", b"X", b"A"
-_U64 = struct.Struct("<Q")
-_U32 = struct.Struct("<I")
-_PART = struct.Struct("<QQI")
+# The link's layouts, shared by its two ends (replica_leader.py, replica_outbox.py write what this module reads).
+U64 = struct.Struct("<Q")  # a size, a version or a forwarded push's id
+U32 = struct.Struct("<I")  # a count
+PART = struct.Struct("<QQI")  # a forwarded push's piece: id, offset, length
 MAX_FORWARDS = 64  # forwarded pushes a backup holds at once: more is a primary out of step
-_BEAT = struct.Struct("<QIB")
+BEAT = struct.Struct("<QIB")  # a heartbeat: version, finished workers, flags (IN_SYNC, DONE)
 IN_SYNC, DONE = 1, 2
 MAX_HELLO = 4096
 NO_MODEL = "this primary holds no model yet (no worker registered one)"
@@ -77,11 +78,11 @@ def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> m
 
 
 def send_message(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(_U64.pack(len(payload)) + payload)
+    sock.sendall(U64.pack(len(payload)) + payload)
 
 
 def recv_message(sock: socket.socket, limit: int) -> bytes:
-    (n,) = _U64.unpack(recv_exact(sock, _U64.size))
+    (n,) = U64.unpack(recv_exact(sock, U64.size))
     if n > limit:
         raise ConnectionError(f"a replication hello of {n} bytes (at most {limit})")
     return bytes(recv_exact(sock, n))
@@ -214,24 +215,24 @@ class Follower:
                     self._receive_record(sock)
                     continue  # answered as soon as it arrived whole, before it applied
                 elif kind == FORWARD:
-                    ident, offset, n = _PART.unpack(recv_exact(sock, _PART.size))
+                    ident, offset, n = PART.unpack(recv_exact(sock, PART.size))
                     self._pushes.receive(ident, offset, n, lambda view: recv_exact(sock, len(view), view))
                     continue
                 elif kind == DROP:
-                    self._pushes.drop(_U64.unpack(recv_exact(sock, _U64.size))[0])
+                    self._pushes.drop(U64.unpack(recv_exact(sock, U64.size))[0])
                     continue
                 elif kind == APPLY:
                     self._receive_apply(sock)
                     continue
                 elif kind == HEARTBEAT:
-                    version, finished, flags = _BEAT.unpack(recv_exact(sock, _BEAT.size))
+                    version, finished, flags = BEAT.unpack(recv_exact(sock, BEAT.size))
                     self.shard.finished_workers = max(self.shard.finished_workers, finished)
                     self._set_ready(bool(flags & IN_SYNC))
                     if flags & DONE:
                         self.shard.done.set()  # with --exit-when-done this copy stops too
                 else:
                     return f"an unknown message {kind!r}"
-                sock.sendall(_U64.pack(self.shard.version))
+                sock.sendall(U64.pack(self.shard.version))
             return "stopping"
         except (OSError, ConnectionError, ValueError, struct.error) as exc:
             return str(exc) or type(exc).__name__
@@ -240,7 +241,7 @@ class Follower:
                 sock.close()
 
     def _receive_state(self, sock: socket.socket) -> None:
-        (size,) = _U64.unpack(recv_exact(sock, _U64.size))
+        (size,) = U64.unpack(recv_exact(sock, U64.size))
         directory = self.config.checkpoint_dir
         if directory:
             Path(directory).mkdir(parents=True, exist_ok=True)
@@ -286,7 +287,7 @@ class Follower:
         found = wal.decode(view)
         if found is None:
             raise ValueError("an update from the primary does not decode")
-        sock.sendall(_U64.pack(found[0].version))
+        sock.sendall(U64.pack(found[0].version))
         try:
             standby.apply_record(self.shard, found[0], [view])
         except ValueError as exc:
@@ -297,7 +298,7 @@ class Follower:
     def _receive_apply(self, sock: socket.socket) -> None:
         """Take one update made of forwarded pushes: their ids, then the record without its gradient. Answered once
         it arrived (the pushes are here whole: they came first), then combined, logged and applied."""
-        (k,) = _U32.unpack(recv_exact(sock, _U32.size))
+        (k,) = U32.unpack(recv_exact(sock, U32.size))
         if not 1 <= k <= MAX_FORWARDS:
             raise ValueError(f"an update naming {k} forwarded pushes")
         ids = list(struct.unpack(f"<{k}Q", recv_exact(sock, 8 * k)))
@@ -309,7 +310,7 @@ class Follower:
             raise ValueError("an update from the primary does not decode")
         rec = found[0]
         grad = self._pushes.combine(ids)  # ValueError for an id not held whole
-        sock.sendall(_U64.pack(rec.version))
+        sock.sendall(U64.pack(rec.version))
         rec.grad = grad
         try:
             standby.apply_record(self.shard, rec, rec.encoded())
