@@ -97,12 +97,12 @@ def train_local(ps: PSModel, batches: list[Batch], optimizer: str, lr: float) ->
 
 
 def train_on_cluster(
-    address: str, ps_models: list[PSModel], batches: list[Batch], **client_kwargs: object
+    address: str, ps_models: list[PSModel], batches: list[Batch], clients: list[PSClient], **client_kwargs: object
 ) -> list[PSModel]:
-    """Each model trained by its own worker (a thread) on its rank's half of each batch; returns them."""
+    """Each model trained by its own worker (a thread) on its rank's half of each batch; returns them. Each
+    worker's client is added to `clients`, for the caller to close once done with the models."""
     errors: list[BaseException] = []
     world = len(ps_models)
-    clients: list[PSClient] = []
 
     def work(model: PSModel) -> None:
         try:
@@ -138,15 +138,20 @@ def test_sync_training_equals_local_training_with_torch_sparse_embeddings(
     models[1].fc.load_state_dict(models[0].fc.state_dict())
     batches = make_batches(steps=6, size=32)
     local = train_local(models[0], batches, optimizer, lr)  # before training: the same starting point
-    trained = train_on_cluster(cluster.address, models, batches)  # type: ignore[attr-defined]
-    with torch.no_grad():
-        for model in trained:
-            torch.testing.assert_close(model.fc.weight, local.fc.weight, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(model.fc.bias, local.fc.bias, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(model.item(torch.arange(N)), local.item.weight, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(
-                model.tags(torch.arange(BAG_N), torch.arange(BAG_N)), local.tags.weight, atol=1e-5, rtol=1e-5
-            )
+    clients: list[PSClient] = []
+    try:
+        trained = train_on_cluster(cluster.address, models, batches, clients)  # type: ignore[attr-defined]
+        with torch.no_grad():
+            for model in trained:
+                torch.testing.assert_close(model.fc.weight, local.fc.weight, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(model.fc.bias, local.fc.bias, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(model.item(torch.arange(N)), local.item.weight, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(
+                    model.tags(torch.arange(BAG_N), torch.arange(BAG_N)), local.tags.weight, atol=1e-5, rtol=1e-5
+                )
+    finally:
+        for client in clients:  # else its heartbeats go on, into later tests' logs, once the shards are gone
+            client.close()
 
 
 @pytest.mark.parametrize(
