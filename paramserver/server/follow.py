@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from paramserver.errors import ShuttingDown
+from paramserver.server import reads
 from paramserver.server.streams import StreamGate
 from paramserver.shard.model import ShardModel
 from paramserver.shard.sparse.row_blocks import RowBlock
@@ -121,8 +122,8 @@ class Followers:
         """Whether the copy's state is a past version of this shard's (then only changes need go): the same model,
         and the same incarnation or a durable shard's (which keeps every version it showed), not ahead of it."""
         shard = self.shard
-        same_history = request.incarnation == shard.incarnation or shard.durable
-        return request.model_digest == model.digest and same_history and request.since_version <= shard.version
+        continues = request.since_version <= shard.version and reads.same_history(shard, request.incarnation)
+        return request.model_digest == model.digest and continues
 
     def _changed(self, model: ShardModel, since: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """Each table's rows written after `since`, read now (under the lock; a group's tables in one lookup)."""

@@ -21,6 +21,7 @@ from paramserver.placement import TensorSpec, digest, place
 from paramserver.serving.copy import ShardCopy
 from paramserver.tables import TableSpec, shard_of, spec_to_proto
 from paramserver.v1 import ps_pb2
+from paramserver.wire.specs import specs_from_proto, specs_to_proto
 
 FORMAT = "paramserver.model/1"  # worker.client.model_file writes it
 
@@ -46,7 +47,7 @@ def seed(
                 f"{path} holds tables {sorted(saved)}, the job {sorted(by_name)} (or their specs differ): start from "
                 "a file this job's model was saved to"
             )
-        specs = [TensorSpec(s.name, tuple(int(d) for d in s.shape), s.buffer) for s in topology.specs]
+        specs = specs_from_proto(topology.specs)
         dense = {s.name: _tensor(f, s, path) for s in specs}
         shards = len(topology.shards)
         placement = place(specs, shards, tables=tables)
@@ -85,7 +86,7 @@ def topology_of(path: str | os.PathLike[str]) -> ps_pb2.Topology:
         shards=[""] * shards,
         initialized=True,
         model_digest=digest(specs, shards, tables=tables),
-        specs=[ps_pb2.TensorSpec(name=s.name, shape=list(s.shape)) for s in specs],
+        specs=specs_to_proto(specs),
         tables=[spec_to_proto(t) for t in tables],
     )
 

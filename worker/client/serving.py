@@ -21,11 +21,12 @@ import torch
 from torch import nn
 
 from paramserver.errors import FailedPrecondition, from_rpc_error, from_status
-from paramserver.placement import TensorSpec, place
+from paramserver.placement import place
 from paramserver.tables import TableSpec, shard_of, spec_from_proto
 from paramserver.transport.socket_client import split_host
 from paramserver.v1 import ps_pb2, ps_pb2_grpc
 from paramserver.wire.frames import recv_exact
+from paramserver.wire.specs import specs_from_proto
 from worker.client.served_rows import ServedRows, grouped_reads
 from worker.client.sparse import SparseEmbedding, tables_of, without_rows
 
@@ -262,7 +263,7 @@ class ServingClient:
         status = self.status()
         with without_rows():  # the dense tensors alone: the tables stay where they are read
             state = model.state_dict()
-        specs = [TensorSpec(s.name, tuple(int(d) for d in s.shape), s.buffer) for s in status.specs]
+        specs = specs_from_proto(status.specs)
         missing = [sp.name for sp in specs if sp.name not in state or tuple(state[sp.name].shape) != sp.shape]
         if missing:
             raise ValueError(
