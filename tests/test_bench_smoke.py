@@ -151,6 +151,7 @@ def test_baselines_bracket_the_transport_cases() -> None:
         "sparse_peer",
         "replication",
         "serving",
+        "online",
         "link",
         "compress",
         "hosts",
