@@ -79,9 +79,11 @@ bench: $(STAMP)
 
 ## stress: SIGKILL shards and workers at random moments (async and sync, over shared memory and the data socket),
 ## then primaries, backups and workers of --replicas 2 jobs (a real etcd; failover times in the table); exact
-## arithmetic checks that no acknowledged push is lost or applied twice (about 4 minutes; STRESS_ARGS=--seed N)
+## arithmetic checks that no acknowledged push is lost or applied twice (about 4 minutes; STRESS_ARGS=--seed N);
+## then 50 shards stopping on an error under two busy loops, none printing a traceback (tests/test_stop_on_error.py)
 stress: $(STAMP)
 	$(PY) bench/stress_kills.py $(STRESS_ARGS)
+	PS_STRESS=1 $(PY) -m pytest tests/test_stop_on_error.py -q
 
 ## deploy-check: render the k8s overlays, validate schemas offline, checkov, tests/test_manifests.py
 deploy-check: $(STAMP)
