@@ -67,8 +67,10 @@ def test_quick_run_writes_json_and_markdown(quick_run: tuple[Path, subprocess.Co
         if f["id"].startswith("training.tta."):
             continue  # the quick run is too short to reach the target accuracy: no time, by design
         assert f["repeats"], f["id"]
-        assert all(isinstance(x, int | float) and math.isfinite(x) and x > 0 for x in f["repeats"]), f
-        assert f["median"] > 0, f["id"]
+        # A count of what went wrong (files skipped after kills) is rightly 0; every measured figure is positive.
+        low = 0 if f["unit"] == "files" else math.ulp(0)
+        assert all(isinstance(x, int | float) and math.isfinite(x) and x >= low for x in f["repeats"]), f
+        assert f["median"] >= low, f["id"]
 
     ids = {f["id"] for f in figures}
     for expected in ("transport.rt.", "transport.push.", "baselines.tcp.rt.", "baselines.gloo.", "baselines.rpc.rt."):
