@@ -4,23 +4,56 @@ evicted when its lease runs out, and the shard follows.
 Apart from the Shard because each change sets off the same chain, whichever way it came: the consistency policy
 counts the round's workers again, pulls held back for a worker that is gone may go on, a finish is checkpointed at
 once, and the last worker out ends the job. The registry itself (ranks, leases) is paramserver.shard.membership's,
-pure bookkeeping; these are functions of the Shard it lives in, under the shard's lock.
+pure bookkeeping; these are functions of the shard it lives in, under the shard's lock, typed against what they
+touch of it (`RosterHost`), not the Shard.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, Protocol
 
 from paramserver.errors import WrongJob
+from paramserver.shard.consistency import Applier
 
 if TYPE_CHECKING:
-    from paramserver.shard.state import Shard
+    from paramserver.config import ServerConfig
+    from paramserver.metrics import ShardMetrics
+    from paramserver.shard.attachments import Attachments
+    from paramserver.shard.claims import Claims
+    from paramserver.shard.consistency import Policy
+    from paramserver.shard.status import ShardStats
+
+
+class RosterHost(Applier, Protocol):
+    """What a worker's coming and going touches of its shard (and what the consistency policy sees of it)."""
+
+    index: int
+    config: ServerConfig
+    policy: Policy
+    metrics: ShardMetrics
+    attachments: Attachments
+    stats: ShardStats
+    claims: Claims
+    done: threading.Event
+    finished_workers: int
+
+    @property
+    def lock(self) -> threading.Condition:
+        """The shard's one lock."""
+
+    def check_serving(self) -> None:
+        """Raise NotPrimary where this process must not serve workers (under the lock)."""
+
+    def checkpoint_locked(self) -> None:
+        """Hand a snapshot to the checkpoint writer now (under the lock)."""
+
 
 log = logging.getLogger(__name__)
 
 
-def check_job(shard: Shard, worker_id: str, job_name: str) -> None:
+def check_job(shard: RosterHost, worker_id: str, job_name: str) -> None:
     """Refuse a worker that names another job (WrongJob); an empty name is any."""
     if job_name and job_name != shard.config.job_name:
         raise WrongJob(
@@ -28,7 +61,7 @@ def check_job(shard: Shard, worker_id: str, job_name: str) -> None:
         )
 
 
-def join(shard: Shard, worker_id: str, job_name: str) -> tuple[int, int]:
+def join(shard: RosterHost, worker_id: str, job_name: str) -> tuple[int, int]:
     """Add a worker to the job; return (rank, version)."""
     check_job(shard, worker_id, job_name)
     with shard.lock:
@@ -43,7 +76,7 @@ def join(shard: Shard, worker_id: str, job_name: str) -> tuple[int, int]:
         return worker.rank, shard.version
 
 
-def leave(shard: Shard, worker_id: str, finished: bool = False) -> None:
+def leave(shard: RosterHost, worker_id: str, finished: bool = False) -> None:
     """Remove a worker; a sync round stops waiting for it. `finished`: it completed its training."""
     with shard.lock:
         shard.attachments.drop(worker_id)
@@ -63,7 +96,7 @@ def leave(shard: Shard, worker_id: str, finished: bool = False) -> None:
             changed(shard)
 
 
-def evict_expired(shard: Shard, now: float | None = None) -> None:
+def evict_expired(shard: RosterHost, now: float | None = None) -> None:
     """Evict the workers whose lease ran out by `now` (call under the lock)."""
     gone = shard.membership.evict_expired(shard.config.lease_timeout, now)
     for worker_id, silent in gone:
@@ -82,13 +115,13 @@ def evict_expired(shard: Shard, now: float | None = None) -> None:
         log.warning("shard %d: dataset shard %d released: its holder did not come back", shard.index, index)
 
 
-def _release_claims(shard: Shard, worker_id: str, why: str) -> None:
+def _release_claims(shard: RosterHost, worker_id: str, why: str) -> None:
     """Free the dataset shards a worker held: whoever claims next trains them again from their start."""
     for index in shard.claims.release(worker_id):
         log.warning("shard %d: dataset shard %d released: worker %s %s", shard.index, index, worker_id, why)
 
 
-def changed(shard: Shard) -> None:
+def changed(shard: RosterHost) -> None:
     """Follow a change of the round set: a worker joined, left, was evicted, or went idle or busy."""
     shard.policy.membership_changed(shard)
     shard.metrics.live_workers.set(len(shard.membership.live))
