@@ -20,6 +20,7 @@ from paramserver import LocalCluster, ServerConfig
 from worker.data.features import Features
 from worker.data.manifest import MISSING_ID, Categorical, Manifest, Schema, ShardFile, Split
 from worker.data.stream import StreamedDataset
+from worker.train.config import CLICK_BATCH, DENSE_BATCH
 from worker.train.metrics import auc
 from worker.train.trainer import TrainConfig, train
 
@@ -271,3 +272,18 @@ def test_two_ps_workers_train_what_one_process_trains_on_the_same_samples(tmp_pa
     assert served[0]["test_auc"] == pytest.approx(local["test_auc"], abs=1e-4)
     assert served[0]["test_logloss"] == pytest.approx(local["test_logloss"], abs=1e-4)
     assert local["test_auc"] > 0.7
+
+
+def test_a_click_model_trains_thousands_of_samples_a_step_unless_told(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No --batch-size: click logs train at CLICK_BATCH a step (the first line says so), other data at DENSE_BATCH."""
+    dataset = write_clicks(tmp_path / "clicks")
+    config = ServerConfig(mode="async", workers=1, optimizer="adagrad", lr=0.05)
+    with LocalCluster(config, shards=1) as cluster:
+        metrics = train(TrainConfig(server=cluster.address, dataset=str(dataset), model="dlrm", steps=1))
+    assert metrics["batch_size"] == CLICK_BATCH
+    assert f"click logs: {CLICK_BATCH} samples a step (--batch-size to change)" in capsys.readouterr().err
+    with LocalCluster(config, shards=1) as cluster:
+        metrics = train(TrainConfig(server=cluster.address, steps=1, progress=False))
+    assert metrics["batch_size"] == DENSE_BATCH

@@ -299,7 +299,7 @@ def test_a_worker_that_restarts_resumes_where_the_sync_job_is(digits: Path, ps_c
     with pytest.raises(_Died):
         train(config, on_step=die)
     metrics = train(config)
-    per_epoch = -(-StreamedDataset(str(digits)).samples_per_epoch(1) // config.batch_size)
+    per_epoch = -(-StreamedDataset(str(digits)).samples_per_epoch(1) // metrics["batch_size"])
     assert (metrics["first_step"], metrics["steps"]) == (7, 2 * per_epoch - 7)
     assert metrics["server_version"] == 2 * per_epoch
     assert 0 < metrics["input_wait_seconds"] < metrics["seconds"] and metrics["test_accuracy"] > 0.8

@@ -18,6 +18,7 @@ from typing import Any
 
 from paramserver import modes
 from worker.demos.common import address_of, start_server, start_workers, stop, worker_metrics
+from worker.train.config import DENSE_BATCH
 
 TARGET_ACCURACY = 0.95
 
@@ -88,7 +89,7 @@ def _sharded_digits(
     url = f"{server.url}/manifest.json"
     print(f"$ python -m http.server --directory {directory}   (serving {url})", flush=True)
     run, _ = build_parser().parse_known_args(worker_args)
-    per_epoch = -(-StreamedDataset(url).samples_per_epoch(workers) // run.batch_size)
+    per_epoch = -(-StreamedDataset(url).samples_per_epoch(workers) // (run.batch_size or DENSE_BATCH))
     versions = run.steps or per_epoch * run.epochs  # a sync round makes one version
     warmup = max(1, versions // 20)
     schedule = [

@@ -4,7 +4,7 @@ servers."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from paramserver.config import config_field
@@ -14,6 +14,10 @@ from worker.models.builtin import BUILTIN_MODELS
 from worker.models.clicks import CLICK_MODELS, TableOptions
 from worker.train.losses import LOSSES, check_loss_spec, check_step_spec
 from worker.train.precision import PRECISIONS
+
+# The batch when none is given: the digits default, and what the recsys demo trains click models at (77k samples/s
+# against 6.1k at 32 on 2 workers x 2 shards, same AUC: issue 40).
+DENSE_BATCH, CLICK_BATCH = 32, 2048
 
 
 @dataclass(frozen=True)
@@ -59,9 +63,10 @@ class TrainConfig:
     epochs: int = config_field(10, "passes over this worker's part of the training data")
     steps: int | None = config_field(None, "train exactly this many steps instead of --epochs")
     batch_size: int = config_field(
-        32,
-        "samples per step on this worker (in sync mode the server averages the "
-        "workers' gradients, so one step sees batch-size x workers samples)",
+        0,
+        f"samples per step on this worker; 0 (the default): {DENSE_BATCH}, or {CLICK_BATCH} for click logs (a "
+        "dataset with categorical features: tables learn from thousands of rows a step) (in sync mode the server "
+        "averages the workers' gradients, so one step sees batch-size x workers samples)",
     )
     device: str = config_field("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
     seed: int = config_field(0, "seed of the model's initial weights and of the data order")
@@ -224,13 +229,13 @@ class TrainConfig:
             raise ValueError(f"prefetch must be at least 1 shard, not {self.prefetch}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be at least 1, not {self.steps}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch-size must be at least 1, not {self.batch_size}")
+        if self.batch_size < 0:
+            raise ValueError(f"batch-size must be at least 1 (or 0: chosen for the data), not {self.batch_size}")
         if self.round_timeout <= 0:
             raise ValueError(f"round-timeout must be positive, not {self.round_timeout}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ValueError(f"clip-grad-norm must be positive, not {self.clip_grad_norm}")
-        if not 1 <= self.accumulate <= self.batch_size:
+        if not 1 <= self.accumulate <= (self.batch_size or DENSE_BATCH):
             raise ValueError(f"accumulate must be in [1, batch-size], not {self.accumulate}")
         if self.compress is not None:
             Scheme.parse(self.compress)  # a ValueError that names the flag and what it takes
@@ -245,6 +250,12 @@ class TrainConfig:
             check_step_spec(self.train_step)
             if self.loss != "auto":
                 raise ValueError(f"--train-step computes its own loss: leave --loss auto, not {self.loss!r}")
+
+    def for_data(self, click_logs: bool) -> TrainConfig:
+        """This config with its batch size chosen for the data where none was given (0)."""
+        if self.batch_size:
+            return self
+        return replace(self, batch_size=CLICK_BATCH if click_logs else DENSE_BATCH)
 
     def tables(self) -> TableOptions:
         """The click model's table options these flags set."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from worker.data.stream import StreamedDataset
 from worker.models.builtin import build_model
 from worker.models.clicks import build_click_model
 from worker.train import following
-from worker.train.config import TrainConfig, metrics_path
+from worker.train.config import CLICK_BATCH, TrainConfig, metrics_path
 from worker.train.losses import LossStep, default_loss, resolve_loss, resolve_step
 from worker.train.precision import MixedPrecision
 from worker.train.steps import Job, Steps
@@ -109,6 +110,9 @@ def _prepare(config: TrainConfig, dataset: Dataset | StreamedDataset | None, sto
         dataset = following.open_when_listed(config, stop) if follow else open_dataset(config.dataset, config.prefetch)
     data = dataset
     schema = data.manifest.schema if isinstance(data, StreamedDataset) else None
+    if schema is not None and not config.batch_size and config.progress:
+        print(f"ps-worker: click logs: {CLICK_BATCH} samples a step (--batch-size to change)", file=sys.stderr)
+    config = config.for_data(schema is not None)
     loss = "bce" if schema is not None and config.loss == "auto" else config.loss
     step_fn = resolve_step(config.train_step) if config.train_step else LossStep(resolve_loss(loss, data.task))
     precision = MixedPrecision.for_device(config.precision, device)
